@@ -1,0 +1,146 @@
+"""Pytree <-> flat per-dtype buckets, with the padding the ring needs.
+
+Leaves of one dtype are concatenated, in tree order, into buckets of at most
+``bucket_bytes`` (a leaf larger than the cap gets a bucket of its own; leaves
+are never split). Each bucket is zero-padded to a multiple of
+``group_size * chunks_per_rank`` so it splits evenly into ring slots and
+sub-chunks. Zero-size leaves are not packed at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from skipreduce_jax._schedule import default_chunks_per_rank
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One contiguous buffer of same-dtype leaves.
+
+    Attributes:
+      dtype: the dtype of every leaf in the bucket.
+      leaf_indices: positions of the packed leaves in the flattened tree.
+      size: elements before padding.
+      padded_size: elements after padding (a multiple of the group size times
+        ``chunks_per_rank``).
+      chunks_per_rank: sub-chunks per ring slot.
+    """
+
+    dtype: np.dtype
+    leaf_indices: tuple[int, ...]
+    size: int
+    padded_size: int
+    chunks_per_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """How a pytree is packed into buckets; static, computed at trace time.
+
+    Attributes:
+      treedef: the tree structure.
+      shapes: the shape of every leaf.
+      dtypes: the dtype of every leaf.
+      buckets: the buckets, in order.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    buckets: tuple[Bucket, ...]
+
+    def pack(self, leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
+        """Concatenates a bucket's leaves into one padded 1-D buffer."""
+        parts = [jnp.ravel(leaves[i]) for i in bucket.leaf_indices]
+        pad = bucket.padded_size - bucket.size
+        if pad:
+            parts.append(jnp.zeros((pad,), bucket.dtype))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    def unpack(
+        self,
+        buffers: Sequence[jax.Array],
+        *,
+        fill: Callable[[tuple[int, ...], np.dtype], jax.Array],
+    ) -> Any:
+        """Splits buffers (one per bucket) back into the tree.
+
+        Args:
+          buffers: one 1-D array per bucket, ``padded_size`` long.
+          fill: makes the value of a leaf that was not packed (zero-size).
+
+        Returns:
+          The pytree, with the original shapes and the buffers' dtypes.
+        """
+        leaves: list[Any] = [None] * len(self.shapes)
+        for bucket, buffer in zip(self.buckets, buffers):
+            start = 0
+            for i in bucket.leaf_indices:
+                size = math.prod(self.shapes[i])
+                leaves[i] = buffer[start:start + size].reshape(self.shapes[i])
+                start += size
+        for i, leaf in enumerate(leaves):
+            if leaf is None:
+                leaves[i] = fill(self.shapes[i], self.dtypes[i])
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def plan_buckets(
+    tree: Any,
+    *,
+    group_size: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    chunks_per_rank: int | None = None,
+    slot_divisor: int = 1,
+) -> BucketPlan:
+    """Plans the buckets of a pytree for a ring over ``group_size`` ranks.
+
+    Args:
+      tree: a pytree of arrays (or of anything with ``shape`` and ``dtype``).
+      group_size: every bucket is padded to a multiple of
+        ``group_size * chunks_per_rank``.
+      bucket_bytes: the byte cap of one bucket.
+      chunks_per_rank: sub-chunks per ring slot; None chooses
+        :func:`default_chunks_per_rank` per bucket.
+      slot_divisor: a ring slot is further split this many ways before the
+        default granularity is chosen (the inner axis size of hierarchical
+        SkipReduce, whose ring runs on a 1/L shard).
+
+    Returns:
+      The :class:`BucketPlan`.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shapes = tuple(tuple(np.shape(x)) for x in leaves)
+    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+
+    groups: dict[np.dtype, list[list[int]]] = {}
+    filled: dict[np.dtype, int] = {}
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            continue
+        if dtype not in groups or filled[dtype] + nbytes > bucket_bytes:
+            groups.setdefault(dtype, []).append([])
+            filled[dtype] = 0
+        groups[dtype][-1].append(i)
+        filled[dtype] += nbytes
+
+    buckets = []
+    for dtype, index_lists in groups.items():
+        for indices in index_lists:
+            size = sum(math.prod(shapes[i]) for i in indices)
+            chunks = chunks_per_rank or default_chunks_per_rank(
+                -(-size // (group_size * slot_divisor)))
+            multiple = group_size * slot_divisor * chunks
+            padded = -(-size // multiple) * multiple
+            buckets.append(Bucket(dtype, tuple(indices), size, padded, chunks))
+    return BucketPlan(treedef, shapes, dtypes, tuple(buckets))

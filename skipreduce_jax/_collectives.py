@@ -1,0 +1,448 @@
+"""Public collectives: ring_psum, skip_psum, skip_pmean, contribution_mask.
+
+All of them are called where ``axis_name`` is bound (inside ``jax.shard_map``)
+and take pytrees. They share one path: check the arguments, plan the buckets,
+make one :class:`SkipSchedule` per bucket from the shared key, run the one
+ring on each bucket, unpack.
+
+Hierarchical SkipReduce (``inner_axis=...``) all-reduces fully over the fast
+inner axis and skips only over the slow outer axis: a native reduce-scatter
+over the inner axis, the skipped ring over ``axis_name`` on the 1/L shard, a
+native all-gather over the inner axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from skipreduce_jax import _ring
+from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
+from skipreduce_jax._schedule import SkipSchedule, make_schedule
+
+Normalize = Literal["contributors", "world"]
+NORMALIZE_CHOICES = ("contributors", "world")
+
+
+# ----------------------------------------------------------------------------
+# Argument checks (trace time).
+# ----------------------------------------------------------------------------
+
+
+def axis_size(axis_name: str, *, api: str, argument: str = "axis_name") -> int:
+    """The size of a bound axis, with an error that says how to bind it."""
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{api}: {argument}={axis_name!r} must be the name (a str) of one "
+            "mesh axis.")
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise NameError(
+            f"{api}: {argument}={axis_name!r} is not a bound axis. Call {api} "
+            f"inside jax.shard_map(f, mesh=mesh, ...) whose mesh has an axis "
+            f"named {axis_name!r}.") from e
+
+
+def check_num_skip(num_skip: Any, n: int, *, api: str) -> int:
+    """Checks that ``num_skip`` is a Python int in [0, n - 1]."""
+    if isinstance(num_skip, (bool, np.bool_)) or not isinstance(
+            num_skip, (int, np.integer)):
+        raise TypeError(
+            f"{api}: num_skip={num_skip!r} must be a Python int (the number of "
+            f"reduce-scatter steps to skip), in [0, {n - 1}] for an axis of "
+            f"size {n}.")
+    if not 0 <= num_skip <= n - 1:
+        raise ValueError(
+            f"{api}: num_skip={num_skip} is outside [0, {n - 1}] for an axis of "
+            f"size {n}: at most N - 1 = {n - 1} reduce-scatter steps exist.")
+    return int(num_skip)
+
+
+def check_normalize(normalize: Any, *, api: str) -> str:
+    if normalize not in NORMALIZE_CHOICES:
+        raise ValueError(
+            f"{api}: normalize={normalize!r} must be 'contributors' (divide by "
+            "the N - k ranks summed) or 'world' (divide by N).")
+    return normalize
+
+
+def as_typed_key(key: Any, *, api: str) -> jax.Array:
+    """Accepts a typed PRNG key or a raw uint32[2] key; returns a typed key."""
+    if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.dtype == jnp.uint32 and key.shape == (2,):
+            return jax.random.wrap_key_data(key)
+    raise TypeError(
+        f"{api}: key={key!r} is not a PRNG key. Pass jax.random.key(seed) (or "
+        "a raw uint32[2] jax.random.PRNGKey(seed)), derived from a seed and the "
+        "step count so that it is identical on every rank.")
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which JAX types ``x`` as varying."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vma_checked(axis_name: str) -> bool:
+    """Whether the enclosing shard_map tracks varying axes (check_vma=True)."""
+    return axis_name in varying_axes(lax.axis_index(axis_name))
+
+
+def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str):
+    varying = varying_axes(key) & set(axes)
+    if varying:
+        raise ValueError(
+            f"{api}: key varies over {sorted(varying)}. SkipReduce needs the "
+            "same key on every rank (derive it from a seed and the step count, "
+            "never from axis_index), or ranks would disagree on what to drop.")
+
+
+def _check_floating(leaves, api: str):
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                f"{api}: got a leaf of dtype {leaf.dtype} and shape {leaf.shape}; "
+                "SkipReduce works on floating-point gradients only (float32, "
+                "bfloat16, float16). Reduce integer or bool leaves with "
+                "ring_psum or lax.psum.")
+
+
+# ----------------------------------------------------------------------------
+# The shared path.
+# ----------------------------------------------------------------------------
+
+
+def _axes(axis_name: str, inner_axis: str | None, api: str) -> tuple[int, int]:
+    n = axis_size(axis_name, api=api)
+    if inner_axis is None:
+        return n, 1
+    if inner_axis == axis_name:
+        raise ValueError(
+            f"{api}: inner_axis={inner_axis!r} is also axis_name. Name two "
+            "different mesh axes: axis_name the slow (skipped) one, inner_axis "
+            "the fast one.")
+    return n, axis_size(inner_axis, api=api, argument="inner_axis")
+
+
+def _plan(
+    tree: Any,
+    axis_name: str,
+    *,
+    inner_axis: str | None,
+    num_skip: int,
+    key: Any,
+    randomize: bool,
+    chunks_per_rank: int | None,
+    bucket_bytes: int,
+    api: str,
+) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
+    """Checks arguments, plans buckets, and makes one schedule per bucket."""
+    n, inner = _axes(axis_name, inner_axis, api)
+    num_skip = check_num_skip(num_skip, n, api=api)
+    if chunks_per_rank is not None and (
+            not isinstance(chunks_per_rank, int) or chunks_per_rank < 1):
+        raise ValueError(
+            f"{api}: chunks_per_rank={chunks_per_rank!r} must be a positive int "
+            "or None (choose from the bucket size).")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"{api}: bucket_bytes={bucket_bytes!r} must be a "
+                         "positive int.")
+    needs_key = randomize and num_skip > 0
+    if needs_key or key is not None:
+        key = as_typed_key(key, api=api)
+        _check_key_replicated(key, (axis_name,) + ((inner_axis,) if inner_axis
+                                                    else ()), api)
+    plan = plan_buckets(tree, group_size=n, slot_divisor=inner,
+                        bucket_bytes=bucket_bytes,
+                        chunks_per_rank=chunks_per_rank)
+    schedules = [
+        make_schedule(
+            n,
+            num_skip=num_skip,
+            chunks_per_rank=b.chunks_per_rank,
+            key=jax.random.fold_in(key, i) if needs_key else None,
+            randomize=randomize)
+        for i, b in enumerate(plan.buckets)
+    ]
+    return plan, schedules, n, inner
+
+
+def _reduce(
+    tree: Any,
+    axis_name: str,
+    *,
+    inner_axis: str | None,
+    num_skip: int,
+    key: Any,
+    randomize: bool,
+    scale: Any,
+    chunks_per_rank: int | None,
+    bucket_bytes: int,
+    accumulate_dtype: Any,
+    gather: _ring.Gather,
+    api: str,
+) -> Any:
+    plan, schedules, n, inner = _plan(
+        tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
+        randomize=randomize, chunks_per_rank=chunks_per_rank,
+        bucket_bytes=bucket_bytes, api=api)
+    if gather not in ("native", "ring"):
+        raise ValueError(f"{api}: gather={gather!r} must be 'native' or 'ring'.")
+    leaves = jax.tree_util.tree_leaves(tree)
+    if vma_checked(axis_name):
+        # Values typed replicated are summed N times, exactly as psum does.
+        axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
+        leaves = [_to_varying(leaf, axes) for leaf in leaves]
+
+    outputs = []
+    for bucket, schedule in zip(plan.buckets, schedules):
+        buffer = plan.pack(leaves, bucket)
+        acc_dtype = bucket.dtype
+        if accumulate_dtype is not None and jnp.issubdtype(
+                bucket.dtype, jnp.floating):
+            acc_dtype = jnp.dtype(accumulate_dtype)
+        if inner_axis is not None:
+            buffer = lax.psum_scatter(buffer.astype(acc_dtype), inner_axis,
+                                      tiled=True)
+        shard = _ring.reduce_scatter(buffer, schedule, axis_name,
+                                     accumulate_dtype=acc_dtype)
+        # Scale and cast the 1/N shard, not the whole buffer.
+        if scale is not None:
+            shard = shard * jnp.asarray(scale, acc_dtype)
+        if shard.dtype != bucket.dtype:
+            # Gather the narrow dtype's bits: XLA would otherwise move the
+            # cast after the all-gather and send the wide type.
+            bits = jnp.dtype(f"uint{8 * bucket.dtype.itemsize}")
+            shard = lax.bitcast_convert_type(shard.astype(bucket.dtype), bits)
+            out = _ring.gather(shard, schedule, axis_name, method=gather)
+            out = lax.bitcast_convert_type(out, bucket.dtype)
+        else:
+            out = _ring.gather(shard, schedule, axis_name, method=gather)
+        if inner_axis is not None:
+            out = lax.all_gather(out, inner_axis, tiled=True, to="invarying")
+        outputs.append(out)
+    return plan.unpack(outputs, fill=lambda shape, dtype: jnp.zeros(shape, dtype))
+
+
+def _to_varying(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in varying_axes(leaf))
+    return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+
+# ----------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------
+
+
+def ring_psum(
+    x: Any,
+    axis_name: str,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    gather: _ring.Gather = "native",
+) -> Any:
+    """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
+
+    Equals ``lax.psum(x, axis_name)`` (exactly for integers; up to the order of
+    the floating-point additions otherwise). A reduce-scatter of N - 1
+    ``ppermute`` steps, then an all-gather.
+
+    Args:
+      x: a pytree of arrays (floating or integer).
+      axis_name: the mesh axis to sum over.
+      bucket_bytes: leaves of one dtype are packed into buffers of at most
+        this many bytes, one ring per buffer.
+      gather: ``"native"`` (``lax.all_gather``; the result is typed replicated
+        like ``psum``'s) or ``"ring"`` (N - 1 more ppermute steps; typed varying
+        under ``check_vma=True``).
+
+    Returns:
+      The sum over the axis, the same on every rank, with ``x``'s structure.
+
+    Example:
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> f = jax.shard_map(lambda v: ring_psum(v, "data"), mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+      >>> float(f(x)[0])
+      28.0
+    """
+    for leaf in jax.tree_util.tree_leaves(x):
+        if leaf.dtype == jnp.bool_:
+            raise TypeError("ring_psum: got a bool leaf; cast it to an integer "
+                            "dtype to count, or reduce it with lax.pmax.")
+    return _reduce(
+        x, axis_name, inner_axis=None, num_skip=0, key=None, randomize=False,
+        scale=None, chunks_per_rank=1, bucket_bytes=bucket_bytes,
+        accumulate_dtype=None, gather=gather, api="ring_psum")
+
+
+def skip_psum(
+    x: Any,
+    axis_name: str,
+    *,
+    key: Any,
+    num_skip: int,
+    randomize: bool = True,
+    rescale: bool = False,
+    inner_axis: str | None = None,
+    chunks_per_rank: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    accumulate_dtype: Any = None,
+    gather: _ring.Gather = "native",
+) -> Any:
+    """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
+
+    The reduce-scatter runs N - 1 - k steps instead of N - 1, so every element
+    of the result is the sum of exactly N - k ranks' values, and each rank
+    sends (2(N-1) - k) / (2(N-1)) of a full ring all-reduce. With
+    ``randomize=True`` the shared ``key`` picks, per sub-chunk, which slice of
+    the buffer rides in which ring chunk, so each rank's value of each element
+    is dropped with probability k / N; the send pattern never changes.
+
+    Args:
+      x: a pytree of floating-point arrays (each rank's local values).
+      axis_name: the mesh axis to sum over (the slow one, with
+        ``inner_axis``).
+      key: a PRNG key identical on every rank (typed, or raw uint32[2]). May
+        be None for ``randomize=False`` or ``num_skip=0``.
+      num_skip: k, a Python int in [0, N - 1].
+      randomize: False is static SkipReduce: the same k ranks are dropped
+        for a given element whatever the key (biased; for comparison).
+      rescale: multiply by N / (N - k), an unbiased estimate of the psum when
+        ``randomize=True``.
+      inner_axis: hierarchical mode: a second (fast) axis summed in full;
+        only ``axis_name`` is skipped.
+      chunks_per_rank: sub-chunks per ring slot, each randomized on its own;
+        None picks at least 4 when each holds a few hundred elements.
+      bucket_bytes: the byte cap of one packed buffer (one ring each).
+      accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16/float16 values in
+        float32 (the reduce-scatter then sends float32).
+      gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
+
+    Returns:
+      The partial sum, identical on every rank, with ``x``'s structure and
+      dtypes.
+
+    Example:
+      >>> def f(g):
+      ...   return skip_psum(g, "data", key=jax.random.key(0), num_skip=4)
+      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+      ...                     out_specs=P())(grads)
+    """
+    api = "skip_psum"
+    _check_floating(jax.tree_util.tree_leaves(x), api)
+    scale = None
+    if rescale:
+        n, _ = _axes(axis_name, inner_axis, api)
+        k = check_num_skip(num_skip, n, api=api)
+        scale = n / (n - k)
+    return _reduce(
+        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
+        randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
+        bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
+        gather=gather, api=api)
+
+
+def skip_pmean(
+    x: Any,
+    axis_name: str,
+    *,
+    key: Any,
+    num_skip: int,
+    randomize: bool = True,
+    normalize: Normalize = "contributors",
+    inner_axis: str | None = None,
+    chunks_per_rank: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    accumulate_dtype: Any = None,
+    gather: _ring.Gather = "native",
+) -> Any:
+    """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
+
+    Args:
+      x: a pytree of floating-point arrays.
+      axis_name: as in :func:`skip_psum`.
+      key: as in :func:`skip_psum`.
+      num_skip: as in :func:`skip_psum`.
+      randomize: as in :func:`skip_psum`.
+      normalize: ``"contributors"`` divides by the N - k ranks summed (keeps
+        the gradient's scale); ``"world"`` divides by N (what the authors'
+        NCCL implementation does; shrinks the gradient by (N - k) / N). With
+        ``inner_axis`` of size L, the counts are (N - k) L and N L.
+      inner_axis: as in :func:`skip_psum`.
+      chunks_per_rank: as in :func:`skip_psum`.
+      bucket_bytes: as in :func:`skip_psum`.
+      accumulate_dtype: as in :func:`skip_psum`.
+      gather: as in :func:`skip_psum`.
+
+    Returns:
+      The partial mean, identical on every rank.
+    """
+    api = "skip_pmean"
+    check_normalize(normalize, api=api)
+    _check_floating(jax.tree_util.tree_leaves(x), api)
+    n, inner = _axes(axis_name, inner_axis, api)
+    k = check_num_skip(num_skip, n, api=api)
+    count = (n - k if normalize == "contributors" else n) * inner
+    return _reduce(
+        x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
+        randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
+        bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
+        gather=gather, api=api)
+
+
+def contribution_mask(
+    x: Any,
+    axis_name: str,
+    *,
+    key: Any,
+    num_skip: int,
+    randomize: bool = True,
+    inner_axis: str | None = None,
+    chunks_per_rank: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Any:
+    """Which of this rank's values :func:`skip_psum` sums, with the same args.
+
+    Asks the same bucket plan and schedules that :func:`skip_psum` uses, so
+    the two always agree. Error feedback keeps ``x * ~mask`` for the next step.
+
+    Args:
+      x: the pytree that will be (or was) passed to :func:`skip_psum`.
+      axis_name: as in :func:`skip_psum`.
+      key: as in :func:`skip_psum`.
+      num_skip: as in :func:`skip_psum`.
+      randomize: as in :func:`skip_psum`.
+      inner_axis: as in :func:`skip_psum`; a device's value is summed when its
+        outer rank's share is.
+      chunks_per_rank: as in :func:`skip_psum`.
+      bucket_bytes: as in :func:`skip_psum`.
+
+    Returns:
+      A pytree of bool arrays shaped like ``x``: True where this rank's value
+      is part of the sum.
+    """
+    api = "contribution_mask"
+    plan, schedules, n, inner = _plan(
+        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
+        randomize=randomize, chunks_per_rank=chunks_per_rank,
+        bucket_bytes=bucket_bytes, api=api)
+    rank = lax.axis_index(axis_name)
+    masks = []
+    for bucket, schedule in zip(plan.buckets, schedules):
+        shard_mask = schedule.element_mask(rank, bucket.padded_size // inner)
+        # With an inner axis, each of the L shards follows the same schedule.
+        masks.append(jnp.tile(shard_mask, inner) if inner > 1 else shard_mask)
+    return plan.unpack(masks, fill=lambda shape, _: jnp.ones(shape, jnp.bool_))
+

@@ -1,0 +1,63 @@
+"""Shared test helpers: run a per-rank function under shard_map."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def line_mesh(n: int, axis: str = "i") -> jax.sharding.Mesh:
+    """A 1-D mesh over the first ``n`` devices."""
+    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+
+
+def per_rank(
+    fn: Callable[..., Any],
+    per_rank_args: Any,
+    *,
+    n: int,
+    axis: str = "i",
+    check_vma: bool = True,
+    replicated_args: Any = (),
+) -> Any:
+    """Runs ``fn(local_args, *replicated_args)`` on each of ``n`` ranks.
+
+    ``per_rank_args`` leaves have a leading axis of size ``n``; rank r gets
+    slice r (without the leading axis). The result comes back stacked per rank
+    (leading axis ``n``), so tests can compare what each rank computed.
+    """
+    mesh = line_mesh(n, axis)
+    sharded = jax.tree_util.tree_map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, P(axis))), per_rank_args)
+    replicated = jax.tree_util.tree_map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, P())), replicated_args)
+
+    def body(local, rep):
+        local = jax.tree_util.tree_map(lambda a: a[0], local)
+        out = fn(local, *rep)
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()),
+                      out_specs=P(axis), check_vma=check_vma)
+    out = jax.jit(f)(sharded, replicated)
+    return jax.tree_util.tree_map(np.asarray, out)
+
+
+def popcount(values: np.ndarray) -> np.ndarray:
+    """Number of set bits of each (non-negative, integer-valued) element."""
+    ints = np.asarray(values).astype(np.int64)
+    count = np.zeros_like(ints)
+    while np.any(ints):
+        count += ints & 1
+        ints >>= 1
+    return count
+
+
+def bit_inputs(n: int, size: int, dtype=np.float32) -> np.ndarray:
+    """Rank r holds 2**r everywhere: a sum's bits name its contributors."""
+    return np.broadcast_to(
+        (2.0 ** np.arange(n))[:, None], (n, size)).astype(dtype)

@@ -1,0 +1,297 @@
+"""ring_psum, skip_psum, skip_pmean and contribution_mask under shard_map."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from helpers import bit_inputs, line_mesh, per_rank, popcount
+
+SIZES = (2, 4, 8)
+
+
+def _mixed_tree(n, rng):
+    return {
+        "w": rng.normal(size=(n, 3, 5)).astype(np.float32),
+        "b": rng.normal(size=(n, 7)).astype(np.float32),
+        "scalar": rng.normal(size=(n,)).astype(np.float32),
+        "empty": np.zeros((n, 0, 4), np.float32),
+        "odd": rng.normal(size=(n, 2, 3, 11)).astype(np.float32),
+        "half": rng.normal(size=(n, 13)).astype(jnp.bfloat16),
+    }
+
+
+def _assert_tree_close(got, want, rtol=1e-5, atol=1e-5):
+    for g, w in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        tol = 2e-2 if g.dtype == jnp.bfloat16 else rtol
+        np.testing.assert_allclose(np.asarray(g, np.float32),
+                                   np.asarray(w, np.float32), rtol=tol,
+                                   atol=max(atol, tol))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("gather", ["native", "ring"])
+def test_ring_psum_and_k0_equal_psum(n, check_vma, gather):
+    tree = _mixed_tree(n, np.random.default_rng(n))
+    tree["ints"] = np.arange(n * 9, dtype=np.int32).reshape(n, 9)
+    floats = {k: v for k, v in tree.items() if k != "ints"}
+
+    def f(t):
+        return (lax.psum(t, "i"), sr.ring_psum(t, "i", gather=gather),
+                sr.skip_psum({k: v for k, v in t.items() if k != "ints"}, "i",
+                             key=jax.random.key(3), num_skip=0, gather=gather))
+
+    want, ring, skip0 = per_rank(f, tree, n=n, check_vma=check_vma)
+    _assert_tree_close(ring, want)
+    np.testing.assert_array_equal(ring["ints"], want["ints"])  # exact
+    _assert_tree_close(skip0, {k: want[k] for k in floats})
+    for leaf in jax.tree_util.tree_leaves(ring):
+        np.testing.assert_array_equal(leaf, leaf[:1].repeat(n, 0))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("randomize", [True, False])
+def test_exactly_n_minus_k_contributors_and_mask_agrees(n, randomize):
+    x = bit_inputs(n, 1000)
+    for k in range(n):
+        def f(v):
+            args = dict(key=jax.random.key(k), num_skip=k, randomize=randomize)
+            return sr.skip_psum(v, "i", **args), sr.contribution_mask(v, "i", **args)
+
+        out, mask = per_rank(f, x, n=n)
+        assert np.all(popcount(out) == n - k), (n, k)
+        np.testing.assert_array_equal(out, out[:1].repeat(n, 0))
+        # The schedule's mask names exactly the bits present in the sum.
+        for r in range(n):
+            np.testing.assert_array_equal((out[0].astype(np.int64) >> r) & 1,
+                                          mask[r].astype(np.int64))
+
+
+def _patterns(keys, *, k, randomize, n=8, size=2048, chunks=None):
+    """Sums of bit inputs for many keys, computed inside one lax.scan."""
+    def f(v, keys):
+        def step(carry, key):
+            return carry, sr.skip_psum(v, "i", key=key, num_skip=k,
+                                       randomize=randomize,
+                                       chunks_per_rank=chunks)
+        return lax.scan(step, 0, keys)[1]
+
+    out = per_rank(f, bit_inputs(n, size), n=n, replicated_args=(keys,))
+    return out[0].astype(np.int64)  # rank 0's view; all ranks agree (above)
+
+
+def test_static_pattern_ignores_key():
+    keys = jax.random.split(jax.random.key(0), 5)
+    pats = _patterns(keys, k=3, randomize=False)
+    assert np.all(pats == pats[:1])
+
+
+def test_random_drop_frequency_is_k_over_n():
+    n, k, draws = 8, 3, 400
+    keys = jax.random.split(jax.random.key(1), draws)
+    pats = _patterns(keys, k=k, randomize=True)
+    assert not np.all(pats == pats[:1])
+    dropped = np.stack([(pats >> r) & 1 == 0 for r in range(n)])  # [r, key, e]
+    freq = dropped.mean(axis=1)                                     # [r, e]
+    # Binomial(400, 3/8): sd 0.024; 6 sd covers all 16k cells with margin.
+    assert np.abs(freq - k / n).max() < 0.15
+    assert abs(freq.mean() - k / n) < 0.01
+
+
+def test_subchunks_are_randomized_independently():
+    keys = jax.random.split(jax.random.key(2), 20)
+    pats = _patterns(keys, k=4, randomize=True, size=8 * 4 * 256, chunks=4)
+    slot0 = pats[:, :4 * 256].reshape(20, 4, 256)
+    assert np.all(slot0 == slot0[:, :, :1])  # constant within a sub-chunk
+    # ... but sub-chunks of one slot get their own placement.
+    assert any(len(np.unique(s[:, 0])) > 1 for s in slot0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rescale_and_normalize(k):
+    n = 8
+    ones = np.ones((n, 100), np.float32)
+
+    def f(v):
+        key = jax.random.key(0)
+        return (sr.skip_psum(v, "i", key=key, num_skip=k, rescale=True),
+                sr.skip_pmean(v, "i", key=key, num_skip=k),
+                sr.skip_pmean(v, "i", key=key, num_skip=k, normalize="world"))
+
+    rescaled, contributors, world = per_rank(f, ones, n=n)
+    np.testing.assert_allclose(rescaled, n, rtol=1e-6)
+    np.testing.assert_allclose(contributors, 1.0, rtol=1e-6)
+    np.testing.assert_allclose(world, (n - k) / n, rtol=1e-6)
+
+
+def test_bfloat16_with_float32_accumulation():
+    n = 8
+    rng = np.random.default_rng(0)
+    x = (1.0 + rng.uniform(0, 1e-2, size=(n, 4096))).astype(jnp.bfloat16)
+    exact = np.asarray(x, np.float64).sum(0)
+
+    def f(v):
+        return (sr.ring_psum(v, "i"),
+                sr.skip_psum(v, "i", key=None, num_skip=0,
+                             accumulate_dtype=jnp.float32))
+
+    plain, accumulated = per_rank(f, x, n=n)
+    assert accumulated.dtype == jnp.bfloat16
+    err_plain = np.abs(np.asarray(plain[0], np.float64) - exact).mean()
+    err_acc = np.abs(np.asarray(accumulated[0], np.float64) - exact).mean()
+    assert err_acc <= err_plain
+    # float32 accumulation: only the final rounding to bfloat16 (8 bits).
+    np.testing.assert_allclose(np.asarray(accumulated[0], np.float64), exact,
+                               rtol=2 ** -8)
+
+
+def test_many_buckets_each_exact_and_independent():
+    n, k = 8, 2
+    tree = {f"leaf{i}": bit_inputs(n, 300 + i) for i in range(5)}
+
+    def f(t):
+        return sr.skip_psum(t, "i", key=jax.random.key(5), num_skip=k,
+                            bucket_bytes=4 * 700)
+
+    out = per_rank(f, tree, n=n)
+    for leaf in out.values():
+        assert np.all(popcount(leaf) == n - k)
+
+
+def test_multi_axis_mesh_other_axis_untouched():
+    mesh = jax.make_mesh((2, 4), ("model", "data"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 64)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("model", "data")))
+
+    def f(v):
+        return (sr.skip_psum(v, "data", key=jax.random.key(0), num_skip=0),
+                sr.ring_psum(v, "model"))
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("model", "data"),
+                              out_specs=(P("model"), P(None, "data"))))
+    over_data, over_model = map(np.asarray, g(xs))
+    np.testing.assert_allclose(over_data[:, 0], x.sum(1),
+                               rtol=1e-5)
+    np.testing.assert_allclose(over_model[0], x.sum(0), rtol=1e-5)
+
+
+def test_skip_over_one_axis_of_two_counts_contributors():
+    mesh = jax.make_mesh((2, 4), ("model", "data"))
+    x = np.broadcast_to((2.0 ** np.arange(4))[None, :, None], (2, 4, 512))
+    xs = jax.device_put(x.astype(np.float32),
+                        NamedSharding(mesh, P("model", "data")))
+
+    def f(v):
+        return sr.skip_psum(v, "data", key=jax.random.key(1), num_skip=2)
+
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("model", "data"),
+                                out_specs=P("model")))(xs)
+    assert np.all(popcount(np.asarray(out)) == 2)
+
+
+def test_result_is_typed_replicated_under_check_vma():
+    mesh = line_mesh(8)
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("i")))
+    f = jax.shard_map(
+        lambda v: sr.skip_pmean(v, "i", key=jax.random.key(0), num_skip=3),
+        mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=True)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), 1.0)
+
+
+def test_long_rings_use_a_loop(monkeypatch):
+    monkeypatch.setattr(sr._ring, "MAX_UNROLLED_STEPS", 2)
+    x = bit_inputs(8, 777)
+    for gather in ("native", "ring"):
+        out = per_rank(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                              num_skip=2, gather=gather), x, n=8)
+        assert np.all(popcount(out) == 6)
+        np.testing.assert_array_equal(out, out[:1].repeat(8, 0))
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------
+
+
+def _trace(fn, n=4, x=None):
+    x = np.ones((n, 10), np.float32) if x is None else x
+    return per_rank(fn, x, n=n)
+
+
+@pytest.mark.parametrize("num_skip, err, match", [
+    (4, ValueError, r"num_skip=4 is outside \[0, 3\]"),
+    (-1, ValueError, r"num_skip=-1 is outside"),
+    (1.0, TypeError, r"num_skip=1.0 must be a Python int"),
+    (True, TypeError, r"num_skip=True must be a Python int"),
+])
+def test_bad_num_skip(num_skip, err, match):
+    with pytest.raises(err, match=match):
+        _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                      num_skip=num_skip))
+
+
+def test_bad_normalize():
+    with pytest.raises(ValueError, match=r"normalize='mean' must be"):
+        _trace(lambda v: sr.skip_pmean(v, "i", key=jax.random.key(0),
+                                       num_skip=1, normalize="mean"))
+
+
+@pytest.mark.parametrize("key", [None, 0, np.zeros(3, np.uint32)])
+def test_bad_key(key):
+    with pytest.raises(TypeError, match=r"key=.* is not a PRNG key"):
+        _trace(lambda v: sr.skip_psum(v, "i", key=key, num_skip=1))
+
+
+def test_raw_uint32_key_is_accepted():
+    raw = jax.random.PRNGKey(0)
+    out = _trace(lambda v: sr.skip_psum(v, "i", key=raw, num_skip=1))
+    np.testing.assert_allclose(out, 3.0)
+
+
+def test_rank_dependent_key_is_rejected():
+    def f(v):
+        key = jax.random.fold_in(jax.random.key(0), lax.axis_index("i"))
+        return sr.skip_psum(v, "i", key=key, num_skip=1)
+    with pytest.raises(ValueError, match=r"key varies over \['i'\]"):
+        _trace(f)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_integer_and_bool_leaves_rejected(dtype):
+    x = np.ones((4, 10), dtype)
+    with pytest.raises(TypeError, match=r"floating-point gradients only"):
+        _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                      num_skip=1), x=x)
+    with pytest.raises(TypeError, match=r"floating-point gradients only"):
+        _trace(lambda v: sr.skip_pmean(v, "i", key=jax.random.key(0),
+                                       num_skip=1), x=x)
+
+
+def test_ring_psum_rejects_bool():
+    with pytest.raises(TypeError, match=r"ring_psum: got a bool leaf"):
+        _trace(lambda v: sr.ring_psum(v, "i"), x=np.ones((4, 3), np.bool_))
+
+
+def test_unbound_axis():
+    with pytest.raises(NameError, match=r"axis_name='data' is not a bound axis"
+                       r".*inside jax.shard_map"):
+        _trace(lambda v: sr.skip_psum(v, "data", key=jax.random.key(0),
+                                      num_skip=1))
+    with pytest.raises(NameError, match=r"not a bound axis"):
+        sr.ring_psum(jnp.ones(3), "data")
+
+
+def test_bad_gather_and_chunks():
+    with pytest.raises(ValueError, match=r"gather='tree'"):
+        _trace(lambda v: sr.ring_psum(v, "i", gather="tree"))
+    with pytest.raises(ValueError, match=r"chunks_per_rank=0"):
+        _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                      num_skip=1, chunks_per_rank=0))

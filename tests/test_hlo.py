@@ -1,0 +1,68 @@
+"""Traffic read from compiled programs equals the SkipReduce formula."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from helpers import line_mesh
+
+
+def _traffic(fn, n, size, dtype=jnp.float32):
+    mesh = line_mesh(n)
+    x = jax.ShapeDtypeStruct((n * size,), dtype,
+                             sharding=NamedSharding(mesh, P("i")))
+    f = jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    return sr.collective_traffic(jax.jit(f).lower(x).compile().as_text())
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("gather", ["native", "ring"])
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_skip_psum_traffic_matches_formula(n, gather, unrolled, monkeypatch):
+    if not unrolled:
+        monkeypatch.setattr(sr._ring, "MAX_UNROLLED_STEPS", 1)
+    size = 1000  # not a multiple of n * chunks: padding is counted
+    for k in range(n):
+        traffic = _traffic(
+            lambda v: sr.skip_psum(v, "i", key=jax.random.key(0), num_skip=k,
+                                   chunks_per_rank=4, gather=gather), n, size)
+        padded = -(-size // (4 * n)) * 4 * n * 4  # bytes
+        assert traffic.count("all-reduce") == 0
+        assert traffic.count("reduce-scatter") == 0
+        total = traffic.bytes_per_device()
+        assert total == pytest.approx((2 * (n - 1) - k) / n * padded)
+        permute = traffic.bytes_per_device("collective-permute")
+        if gather == "ring":
+            assert traffic.count("all-gather") == 0
+            assert permute == pytest.approx((2 * (n - 1) - k) / n * padded)
+        else:
+            assert permute == pytest.approx((n - 1 - k) / n * padded)
+
+
+def test_ring_psum_traffic_equals_full_ring_and_psum_is_all_reduce():
+    n, size = 8, 4096
+    ring = _traffic(lambda v: sr.ring_psum(v, "i"), n, size)
+    psum = _traffic(lambda v: lax.psum(v, "i"), n, size)
+    assert ring.count("all-reduce") == 0
+    assert ring.bytes_per_device() == pytest.approx(2 * (n - 1) / n * size * 4)
+    assert psum.count("all-reduce") == 1
+    assert psum.bytes_per_device() == pytest.approx(ring.bytes_per_device())
+
+
+def test_bfloat16_accumulated_in_float32_sends_float32_then_bfloat16():
+    n, size = 4, 1024
+    t = _traffic(lambda v: sr.skip_psum(v, "i", key=None, num_skip=1,
+                                        randomize=False, chunks_per_rank=1,
+                                        accumulate_dtype=jnp.float32),
+                 n, size, jnp.bfloat16)
+    assert t.bytes_per_device("collective-permute") == (n - 2) * size // n * 4
+    assert t.bytes_per_device("all-gather") == (n - 1) * size // n * 2
+
+
+def test_parser_rejects_non_program():
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        sr.collective_traffic("not hlo")
