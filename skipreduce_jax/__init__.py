@@ -1,4 +1,11 @@
-"""SkipReduce for JAX: a gradient all-reduce that skips part of the ring."""
+"""SkipReduce for JAX: a gradient all-reduce that skips part of the ring.
+
+Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
+:func:`skip_psum`, :func:`skip_pmean`, :func:`contribution_mask`.
+Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
+friends. Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
+Cost model: ``python -m skipreduce_jax.cost``.
+"""
 
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from skipreduce_jax._collectives import contribution_mask as contribution_mask
@@ -10,5 +17,19 @@ from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import make_schedule as make_schedule
+from skipreduce_jax._training import init_opt_state as init_opt_state
+from skipreduce_jax._training import local_grad as local_grad
+from skipreduce_jax._training import local_value_and_grad as local_value_and_grad
+from skipreduce_jax._training import make_train_step as make_train_step
+from skipreduce_jax._training import replicate as replicate
+from skipreduce_jax._training import shard_batch as shard_batch
+from skipreduce_jax._training import state_specs as state_specs
+from skipreduce_jax._training import to_varying as to_varying
+from skipreduce_jax._transform import CommStats as CommStats
+from skipreduce_jax._transform import SkipReduceState as SkipReduceState
+from skipreduce_jax._transform import by_path as by_path
+from skipreduce_jax._transform import comm_stats as comm_stats
+from skipreduce_jax._transform import exclude as exclude
+from skipreduce_jax._transform import skip_reduce as skip_reduce
 
 __version__ = "0.1.0"

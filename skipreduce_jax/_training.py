@@ -1,0 +1,243 @@
+"""Training-loop helpers: local gradients and the jit + shard_map step.
+
+The pattern (params and optimizer state replicated, the batch sharded over
+the data axis, the update inside ``jax.shard_map`` with ``check_vma=True``)::
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    tx = optax.chain(skip_reduce("data", skip_ratio=0.5), optax.adamw(1e-3))
+    params = replicate(params, mesh)
+    opt_state = init_opt_state(tx, params, mesh, "data")
+    step = make_train_step(loss_fn, tx, mesh, "data")
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state,
+                                       shard_batch(batch, mesh, "data"))
+
+Inside the step, :func:`local_value_and_grad` casts the replicated params to
+varying first, so autodiff does not sum the gradients over the data axis:
+``skip_reduce`` is then the only reduction. Error-feedback residuals are the
+one part of the state that differs per rank; :func:`state_specs` gives them a
+leading data-axis dimension outside ``shard_map``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from skipreduce_jax import _collectives as coll
+from skipreduce_jax._transform import SkipReduceState
+
+AxisNames = str | tuple[str, ...]
+
+
+def _as_tuple(axis_name: AxisNames) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def to_varying(tree: Any, axis_name: AxisNames) -> Any:
+    """Types ``tree`` as varying over ``axis_name`` (no data moves).
+
+    Inside ``shard_map`` with ``check_vma=True``, the gradient with respect to
+    a replicated value is summed over the mesh axis by autodiff; with respect
+    to a varying one it stays local. Leaves already varying are left alone;
+    with ``check_vma=False`` nothing changes.
+    """
+    axes = _as_tuple(axis_name)
+    if not coll.vma_checked(axes[0]):
+        return tree
+
+    def cast(leaf):
+        missing = tuple(a for a in axes if a not in coll.varying_axes(leaf))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def local_value_and_grad(
+    fun: Callable[..., Any],
+    axis_name: AxisNames,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` that returns this rank's LOCAL gradients.
+
+    Args:
+      fun: the loss, as for ``jax.value_and_grad``.
+      axis_name: the data axis (or axes) to keep gradients local over.
+      argnums: which arguments to differentiate.
+      has_aux: as for ``jax.value_and_grad``.
+
+    Returns:
+      A function returning ``(value, grads)`` (``((value, aux), grads)`` with
+      ``has_aux``), where value and grads are this rank's, not summed.
+
+    Example:
+      >>> loss, grads = local_value_and_grad(loss_fn, "data")(params, batch)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+    """
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    def wrapped(*args, **kwargs):
+        args = list(args)
+        for i in positions:
+            args[i] = to_varying(args[i], axis_name)
+        return value_and_grad(*args, **kwargs)
+
+    return wrapped
+
+
+def local_grad(
+    fun: Callable[..., Any],
+    axis_name: AxisNames,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``jax.grad`` that returns this rank's LOCAL gradients.
+
+    See :func:`local_value_and_grad`; this returns only the gradients (and
+    ``aux`` with ``has_aux``).
+    """
+    value_and_grad = local_value_and_grad(fun, axis_name, argnums=argnums,
+                                          has_aux=has_aux)
+
+    def wrapped(*args, **kwargs):
+        (value, grads) = value_and_grad(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped
+
+
+def state_specs(opt_state: Any, axis_name: AxisNames) -> Any:
+    """PartitionSpecs of an optimizer state for the data-parallel step.
+
+    Everything is replicated (``P()``) except the error-feedback residuals of
+    :class:`SkipReduceState`, which are per rank: stored outside
+    ``shard_map`` with a leading dimension of size N (the data axis), each
+    rank's row on its own device (``P(axis_name)``).
+
+    Args:
+      opt_state: the state (or its ``jax.eval_shape``).
+      axis_name: the data axis; a tuple ``(outer, inner)`` for hierarchical
+        SkipReduce, whose residuals vary over both.
+
+    Returns:
+      A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
+    """
+    axes = _as_tuple(axis_name)
+    residual_spec = P(axes[0] if len(axes) == 1 else axes)
+
+    def spec(node):
+        if isinstance(node, SkipReduceState):
+            return SkipReduceState(
+                P(), P(), jax.tree_util.tree_map(lambda _: residual_spec,
+                                                 node.residual))
+        return jax.tree_util.tree_map(lambda _: P(), node)
+
+    return jax.tree_util.tree_map(
+        spec, opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Copies every leaf onto every device of ``mesh`` (``P()``).
+
+    The copy never aliases ``tree``, so the step may donate it (``device_put``
+    alone can reuse a single-device buffer as one of the replicas).
+    """
+    # P(None, ...) per dimension: the spec jit gives its replicated outputs,
+    # so the step's first call and later calls hit one compilation.
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(
+            jnp.copy(x), NamedSharding(mesh, P(*[None] * np.ndim(x)))), tree)
+
+
+def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
+                axis_name: AxisNames = "data") -> Any:
+    """Splits a batch's leading axis over ``axis_name``.
+
+    In a multi-process run each process passes its own part of the global
+    batch (``jax.make_array_from_process_local_data``); in one process the
+    whole batch.
+    """
+    axes = _as_tuple(axis_name)
+    sharding = NamedSharding(mesh, P(axes[0] if len(axes) == 1 else axes))
+    if jax.process_count() > 1:
+        return jax.tree_util.tree_map(
+            lambda x: jax.make_array_from_process_local_data(
+                sharding, np.asarray(x)), batch)
+    return jax.device_put(batch, sharding)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any,
+                   mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> Any:
+    """Runs ``tx.init`` so each part of the state lands where the step wants it.
+
+    Args:
+      tx: the optimizer (containing :func:`skip_reduce`).
+      params: replicated params.
+      mesh: the device mesh.
+      axis_name: the data axis, as for :func:`state_specs`.
+
+    Returns:
+      The state, placed according to :func:`state_specs`.
+    """
+    specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
+                         check_vma=True)
+    return jax.jit(init)(params)
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames = "data",
+    *,
+    donate: bool = True,
+) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
+    """Builds the jitted data-parallel training step.
+
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)``: each
+    rank computes local gradients of ``loss_fn(params, local_batch)``,
+    ``tx`` (with :func:`skip_reduce` first) averages them, and the update is
+    applied. Params stay replicated and bit-identical on every device; the
+    returned loss is the mean over ranks.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar`` on one rank's part of the batch.
+      tx: the optimizer.
+      mesh: the device mesh (other axes than ``axis_name`` see replicated
+        params and the same batch shard).
+      axis_name: the data axis; ``(outer, inner)`` for hierarchical
+        SkipReduce (match ``skip_reduce(outer, inner_axis=inner)``).
+      donate: donate params and state buffers to the step.
+
+    Returns:
+      The jitted step.
+    """
+    axes = _as_tuple(axis_name)
+    batch_spec = P(axes[0] if len(axes) == 1 else axes)
+
+    def local_step(params, opt_state, batch):
+        loss, grads = local_value_and_grad(loss_fn, axes)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state,
+                lax.pmean(loss, axes))
+
+    def step(params, opt_state, batch):
+        specs = state_specs(opt_state, axes)
+        sharded = jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), specs, batch_spec),
+            out_specs=(P(), specs, P()), check_vma=True)
+        return sharded(params, opt_state, batch)
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())

@@ -1,0 +1,472 @@
+"""``skip_reduce``: SkipReduce as an optax gradient transformation.
+
+It replaces the data-parallel gradient all-reduce. It runs inside
+``jax.shard_map`` (where ``axis_name`` is bound), takes each rank's LOCAL
+gradients and returns averaged gradients that are identical on every rank,
+so it is the first element of an ``optax.chain``::
+
+    tx = optax.chain(skip_reduce("data", skip_ratio=0.5), optax.adamw(1e-3))
+
+Per step it derives the key from ``seed`` and the step count in its state
+(``fold_in``), so all ranks and processes agree by construction. Leaves that
+are not selected for skipping (``selective``), leaves smaller than
+``min_size``, and every leaf during ``warmup_steps`` get a full ``lax.pmean``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from skipreduce_jax import _collectives as coll
+from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+
+_API = "skip_reduce"
+
+
+class SkipReduceState(NamedTuple):
+    """State of :func:`skip_reduce`.
+
+    Attributes:
+      count: int32 step counter; the step's key is ``fold_in(key, count)``.
+      key: uint32[2] key data made from ``seed``.
+      residual: error feedback only (else ``optax.EmptyState()``): what this
+        rank's gradient lost to skipping, added back next step. Each leaf has
+        a leading axis of size 1 inside ``shard_map`` (one row per rank,
+        stacked along the data axis outside; see :func:`state_specs`).
+    """
+
+    count: jax.Array
+    key: jax.Array
+    residual: Any
+
+
+class PathSelector:
+    """Selects leaves by their tree path: ``predicate(path, leaf) -> bool``.
+
+    ``path`` is ``jax.tree_util.keystr`` of the leaf's path, for example
+    ``"['params']['Embed_0']['embedding']"``. True allows skipping.
+    """
+
+    def __init__(self, predicate: Callable[[str, Any], bool]):
+        self.predicate = predicate
+
+    def __call__(self, tree: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: self.predicate(jax.tree_util.keystr(path), leaf),
+            tree)
+
+
+def by_path(predicate: Callable[[str, Any], bool]) -> PathSelector:
+    """A ``selective`` argument that decides from each leaf's path.
+
+    Args:
+      predicate: ``(path: str, leaf) -> bool``; True allows skipping.
+
+    Returns:
+      A selector applied to the gradient tree (no params needed).
+
+    Example:
+      >>> sel = by_path(lambda path, leaf: "embed" not in path.lower())
+      >>> tx = skip_reduce("data", skip_ratio=0.5, selective=sel)
+    """
+    return PathSelector(predicate)
+
+
+def exclude(*patterns: str) -> PathSelector:
+    """Full all-reduce for leaves whose path matches any regex in ``patterns``.
+
+    Args:
+      *patterns: regular expressions searched in the path string, e.g.
+        ``"Embed"``, ``"Conv_0"``.
+
+    Returns:
+      A ``selective`` argument for :func:`skip_reduce`.
+
+    Example:
+      >>> tx = skip_reduce("data", num_skip=4, selective=exclude("Embed", "Conv_0"))
+    """
+    compiled = [re.compile(p) for p in patterns]
+    return PathSelector(
+        lambda path, leaf: not any(c.search(path) for c in compiled))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    axis_name: str
+    num_skip: int | None
+    skip_ratio: float | None
+    seed: int
+    randomize: bool
+    normalize: str
+    selective: Any
+    min_size: int
+    warmup_steps: int
+    error_feedback: bool
+    inner_axis: str | None
+    chunks_per_rank: int | None
+    bucket_bytes: int
+    accumulate_dtype: Any
+
+    def resolve_num_skip(self, n: int) -> int:
+        if self.skip_ratio is not None:
+            # Imported here so that `python -m skipreduce_jax.cost` does not
+            # find its own module already loaded by the package.
+            from skipreduce_jax.cost import skip_ratio_to_num_skip
+            return skip_ratio_to_num_skip(self.skip_ratio, n)
+        return coll.check_num_skip(self.num_skip, n, api=_API)
+
+    def skippable(self, updates: Any, params: Any) -> list[bool]:
+        """One Python bool per leaf: True when the leaf may be skipped."""
+        leaves = jax.tree_util.tree_leaves(updates)
+        sel = self.selective
+        if sel is None:
+            flags = [True] * len(leaves)
+        else:
+            if isinstance(sel, PathSelector):
+                mask = sel(updates)
+            elif callable(sel):
+                if params is None:
+                    raise ValueError(
+                        f"{_API}: selective is a callable of params, but update() "
+                        "got params=None. Call tx.update(grads, state, params) "
+                        "(optax.chain passes them through), or use "
+                        "skipreduce_jax.by_path(...) which needs no params.")
+                mask = sel(params)
+            else:
+                mask = sel
+            try:
+                mask = jax.tree_util.tree_map(
+                    lambda m, sub: jax.tree_util.tree_map(lambda _: m, sub),
+                    mask, updates)
+            except ValueError as e:
+                raise ValueError(
+                    f"{_API}: selective does not match the gradient tree: it "
+                    "must have the same structure (or a prefix of it) with a "
+                    f"bool per leaf. {e}") from e
+            flags = jax.tree_util.tree_leaves(mask)
+            for flag in flags:
+                if not isinstance(flag, (bool, np.bool_)):
+                    raise TypeError(
+                        f"{_API}: selective gave {flag!r}; every entry must be a "
+                        "Python bool (True: skipping allowed, False: full "
+                        "all-reduce), known at trace time.")
+        return [bool(f) and math.prod(np.shape(leaf)) >= self.min_size
+                for f, leaf in zip(flags, leaves)]
+
+
+def skip_reduce(
+    axis_name: str,
+    *,
+    num_skip: int | None = None,
+    skip_ratio: float | None = None,
+    seed: int = 0,
+    randomize: bool = True,
+    normalize: str | None = None,
+    selective: Any = None,
+    min_size: int = 100_000,
+    warmup_steps: int = 0,
+    error_feedback: bool = False,
+    inner_axis: str | None = None,
+    chunks_per_rank: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    accumulate_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
+
+    Give exactly one of ``num_skip`` and ``skip_ratio``.
+
+    Args:
+      axis_name: the data-parallel mesh axis (the slow one with
+        ``inner_axis``).
+      num_skip: k, reduce-scatter steps skipped, an int in [0, N - 1] (checked
+        against the axis size at trace time).
+      skip_ratio: fraction of the N - 1 reduce-scatter steps to skip, in
+        [0, 1]; resolved at trace time to ``k = floor(skip_ratio * (N - 1) +
+        0.5)`` (round half up): 0.5 on 8 ranks gives k = 4.
+      seed: the key of step t is ``fold_in(key(seed), t)``: the same on every
+        rank and process. Use the same seed everywhere.
+      randomize: False is static SkipReduce (biased; for comparison).
+      normalize: ``"contributors"`` (divide by the N - k ranks summed; the
+        default) or ``"world"`` (divide by N, as the authors' NCCL code).
+        Error feedback always uses ``"world"``: every value is delivered once,
+        now or later.
+      selective: which leaves may be skipped (True) or get a full all-reduce
+        (False): a pytree (or prefix) of bools, a callable ``params -> pytree
+        of bools``, or :func:`by_path` / :func:`exclude`. Sensitive layers
+        (embeddings, the first conv) are the usual exclusions.
+      min_size: leaves with fewer elements always get a full all-reduce (the
+        authors use 100k).
+      warmup_steps: full all-reduce for the first steps, then skipping. Both
+        paths are compiled once; ``lax.cond`` picks one per step.
+      error_feedback: keep, per rank, what skipping dropped from the local
+        gradient and add it to the next step's (beyond the paper). The
+        residual lives in the state and varies over ``axis_name``; place it
+        with :func:`state_specs`.
+      inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
+        ``axis_name`` is skipped.
+      chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
+      bucket_bytes: byte cap of one packed gradient buffer.
+      accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
+        float32.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with a
+      :class:`SkipReduceState`.
+
+    Example:
+      >>> tx = optax.chain(skip_reduce("data", skip_ratio=0.5, min_size=0),
+      ...                  optax.adamw(1e-3))
+      >>> # inside jax.shard_map, with local gradients:
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+
+    References:
+      Kasan, Abts, Choi, Kim. SkipReduce: (Interconnection) Network
+      Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
+    """
+    config = _make_config(**locals())  # checks every argument once
+
+    def init_fn(params):
+        key = jax.random.key_data(jax.random.key(config.seed))
+        residual = optax.EmptyState()
+        if config.error_feedback:
+            residual = jax.tree_util.tree_map(
+                lambda p: _per_rank_zeros(p, config), params)
+        return SkipReduceState(jnp.zeros((), jnp.int32), key, residual)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        return _update(config, updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _make_config(
+    axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
+    min_size, warmup_steps, error_feedback, inner_axis, chunks_per_rank,
+    bucket_bytes, accumulate_dtype,
+) -> _Config:
+    if (num_skip is None) == (skip_ratio is None):
+        raise ValueError(
+            f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
+            f"(a fraction in [0, 1]); got num_skip={num_skip!r}, "
+            f"skip_ratio={skip_ratio!r}.")
+    if num_skip is not None and (isinstance(num_skip, bool) or not isinstance(
+            num_skip, (int, np.integer)) or num_skip < 0):
+        raise ValueError(f"{_API}: num_skip={num_skip!r} must be an int >= 0 "
+                         "(at most N - 1, checked at trace time).")
+    if skip_ratio is not None and (isinstance(skip_ratio, bool) or not
+                                   isinstance(skip_ratio, (int, float)) or
+                                   not 0.0 <= skip_ratio <= 1.0):
+        raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number in "
+                         "[0, 1].")
+    if normalize is None:
+        normalize = "world" if error_feedback else "contributors"
+    coll.check_normalize(normalize, api=_API)
+    if error_feedback and normalize != "world":
+        raise ValueError(
+            f"{_API}: error_feedback=True needs normalize='world' (or None): "
+            "each value is delivered exactly once over time, so the mean "
+            "divides by N.")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"{_API}: seed={seed!r} must be an int.")
+    for name, value in (("min_size", min_size), ("warmup_steps", warmup_steps)):
+        if isinstance(value, bool) or not isinstance(
+                value, (int, np.integer)) or value < 0:
+            raise ValueError(
+                f"{_API}: {name}={value!r} must be a non-negative int.")
+    if not isinstance(axis_name, str):
+        raise TypeError(f"{_API}: axis_name={axis_name!r} must be a mesh axis "
+                        "name (str); use inner_axis= for hierarchical mode.")
+    if inner_axis is not None and inner_axis == axis_name:
+        raise ValueError(f"{_API}: inner_axis={inner_axis!r} is also axis_name; "
+                         "name two different mesh axes.")
+    if selective is not None and not callable(selective) and not \
+            jax.tree_util.tree_leaves(selective):
+        raise ValueError(f"{_API}: selective={selective!r} has no entries.")
+
+    return _Config(axis_name, num_skip, skip_ratio, int(seed), bool(randomize),
+                   normalize, selective, int(min_size), int(warmup_steps),
+                   bool(error_feedback), inner_axis, chunks_per_rank,
+                   bucket_bytes, accumulate_dtype)
+
+
+def _axes(config: _Config) -> tuple[str, ...]:
+    return (config.axis_name,) + ((config.inner_axis,) if config.inner_axis
+                                  else ())
+
+
+def _per_rank_zeros(param: Any, config: _Config) -> jax.Array:
+    zeros = jnp.zeros((1,) + tuple(np.shape(param)), param.dtype)
+    try:
+        checked = coll.vma_checked(config.axis_name)
+    except NameError:  # init outside shard_map: nothing to type
+        return zeros
+    return lax.pcast(zeros, _axes(config), to="varying") if checked else zeros
+
+
+def _check_local(leaves: list[jax.Array], config: _Config) -> None:
+    """Refuses gradients that autodiff already summed over the data axis."""
+    if not coll.vma_checked(config.axis_name):
+        return
+    for leaf in leaves:
+        missing = set(_axes(config)) - coll.varying_axes(leaf)
+        if missing:
+            raise ValueError(
+                f"{_API}: got a gradient of shape {leaf.shape} that is "
+                f"replicated (invariant) over {sorted(missing)}: autodiff "
+                "already summed it, because the params were replicated inside "
+                "shard_map. Reducing again would double-count. Compute local "
+                "gradients with skipreduce_jax.local_grad / "
+                "local_value_and_grad (they cast params to varying first), or "
+                "jax.grad(loss)(lax.pcast(params, axis, to='varying'), ...).")
+
+
+def _update(config: _Config, updates: Any, state: SkipReduceState,
+            params: Any) -> tuple[Any, SkipReduceState]:
+    n = coll.axis_size(config.axis_name, api=_API)
+    if config.inner_axis is not None:
+        coll.axis_size(config.inner_axis, api=_API, argument="inner_axis")
+    num_skip = config.resolve_num_skip(n)
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    _check_local(leaves, config)
+    skippable = config.skippable(updates, params)
+    axes = _axes(config)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
+    residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
+                 else None)
+    if residuals is not None:
+        leaves = [g + r[0].astype(g.dtype) for g, r in zip(leaves, residuals)]
+    picked = [g for g, s in zip(leaves, skippable) if s]
+
+    def full(picked):
+        out = lax.pmean(picked, axes)
+        kept = [jnp.zeros_like(g) for g in picked] if residuals else None
+        return out, kept
+
+    def skipped(picked):
+        kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
+                  inner_axis=config.inner_axis,
+                  chunks_per_rank=config.chunks_per_rank,
+                  bucket_bytes=config.bucket_bytes)
+        out = coll.skip_pmean(picked, config.axis_name,
+                              normalize=config.normalize,
+                              accumulate_dtype=config.accumulate_dtype, **kw)
+        if residuals is None:
+            return out, None
+        mask = coll.contribution_mask(picked, config.axis_name, **kw)
+        return out, [jnp.where(m, jnp.zeros_like(g), g)
+                     for g, m in zip(picked, mask)]
+
+    if not picked or num_skip == 0:
+        reduced, kept = full(picked)
+    elif config.warmup_steps > 0:
+        reduced, kept = lax.cond(state.count < config.warmup_steps, full,
+                                 skipped, picked)
+    else:
+        reduced, kept = skipped(picked)
+
+    rest = lax.pmean([g for g, s in zip(leaves, skippable) if not s], axes)
+    reduced_it, rest_it = iter(reduced), iter(rest)
+    out = [next(reduced_it) if s else next(rest_it) for s in skippable]
+
+    residual = state.residual
+    if residuals is not None:
+        kept_it = iter(kept)
+        new = [next(kept_it)[None] if s else jnp.zeros_like(r)
+               for s, r in zip(skippable, residuals)]
+        new = [x.astype(r.dtype) for x, r in zip(new, residuals)]
+        residual = jax.tree_util.tree_unflatten(treedef, new)
+    new_state = SkipReduceState(state.count + 1, state.key, residual)
+    return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+class CommStats(NamedTuple):
+    """What one step of :func:`skip_reduce` costs in communication.
+
+    Attributes:
+      num_skip: k for this axis size.
+      bytes_per_device: bytes each device sends per step (over ``axis_name``).
+      full_bytes_per_device: the same for a full ring all-reduce of every leaf.
+      ratio: ``bytes_per_device / full_bytes_per_device``.
+      dropped_fraction: the fraction of all (rank, element) contributions that
+        are dropped per step.
+      skipped_elements: gradient elements that go through SkipReduce.
+      total_elements: all gradient elements.
+    """
+
+    num_skip: int
+    bytes_per_device: float
+    full_bytes_per_device: float
+    ratio: float
+    dropped_fraction: float
+    skipped_elements: int
+    total_elements: int
+
+
+def comm_stats(
+    grads: Any,
+    axis_size: int,
+    *,
+    params: Any = None,
+    **skip_reduce_kwargs: Any,
+) -> CommStats:
+    """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
+
+    Counts ring traffic (a full all-reduce sends 2(N-1)/N of the buffer per
+    device; SkipReduce (2(N-1)-k)/N of the padded buffer), after skipping
+    ends (``warmup_steps`` excluded). With ``inner_axis`` it counts traffic
+    over ``axis_name`` only, on the 1/L shards (pass ``inner_size=L``).
+
+    Args:
+      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
+        gradients.
+      axis_size: N, the size of ``axis_name``.
+      params: passed to a callable ``selective``.
+      **skip_reduce_kwargs: the arguments of :func:`skip_reduce` (and
+        ``inner_size``).
+
+    Returns:
+      :class:`CommStats`.
+
+    Example:
+      >>> stats = comm_stats(params, 8, num_skip=4, min_size=0)
+      >>> round(stats.ratio, 3)
+      0.714
+    """
+    inner = skip_reduce_kwargs.pop("inner_size", 1)
+    args = inspect.signature(skip_reduce).bind(
+        skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
+    args.apply_defaults()
+    config = _make_config(**args.arguments)
+    n = axis_size
+    k = config.resolve_num_skip(n)
+    leaves = jax.tree_util.tree_leaves(grads)
+    skippable = config.skippable(grads, params)
+    sizes = [math.prod(np.shape(x)) for x in leaves]
+    full_bytes = sum(s * np.dtype(x.dtype).itemsize
+                     for s, x in zip(sizes, leaves)) / inner
+    ring = 2 * (n - 1) / n
+    picked = [x for x, s in zip(leaves, skippable) if s]
+    plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
+                        bucket_bytes=config.bucket_bytes,
+                        chunks_per_rank=config.chunks_per_rank)
+    skip_bytes = sum(b.padded_size * b.dtype.itemsize for b in plan.buckets)
+    skip_bytes /= inner
+    rest_bytes = sum(s * np.dtype(x.dtype).itemsize for s, x, ok in
+                     zip(sizes, leaves, skippable) if not ok) / inner
+    sent = (2 * (n - 1) - k) / n * skip_bytes + ring * rest_bytes
+    skipped = sum(s for s, ok in zip(sizes, skippable) if ok)
+    total = sum(sizes)
+    return CommStats(k, sent, ring * full_bytes,
+                     sent / (ring * full_bytes) if full_bytes else 1.0,
+                     k / n * skipped / total if total else 0.0, skipped, total)

@@ -1,0 +1,266 @@
+"""skip_reduce as an optax transformation."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from helpers import bit_inputs, line_mesh, per_rank, popcount
+
+N = 8
+
+
+def _reduce_once(tx, grads_per_rank, *, params=None, check_vma=True, steps=1):
+    """Runs ``steps`` updates of ``tx`` on fixed per-rank gradients."""
+    def f(grads, params):
+        state = tx.init(params)
+        outs = []
+        for _ in range(steps):
+            out, state = tx.update(grads, state, params)
+            outs.append(out)
+        return outs
+
+    params = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype),
+                                    grads_per_rank) if params is None else params
+    return per_rank(f, grads_per_rank, n=N, check_vma=check_vma,
+                    replicated_args=(params,))
+
+
+def test_num_skip_zero_equals_pmean_exactly_in_a_chain():
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(N, 300, 7)).astype(np.float32),
+             "b": rng.normal(size=(N, 5)).astype(np.float32)}
+    tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+                     optax.sgd(1.0))
+    reference = optax.chain(optax.sgd(1.0))
+
+    def f(g, params):
+        out = tx.update(g, tx.init(params), params)[0]
+        want = reference.update(lax.pmean(g, "data"), reference.init(params))[0]
+        return out, want
+
+    out, want = per_rank(f, grads, n=N, axis="data",
+                         replicated_args=(jax.tree_util.tree_map(
+                             lambda g: np.zeros(g.shape[1:], g.dtype), grads),))
+    for o, w in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(o, w)
+
+
+def test_contributor_counts_and_normalize():
+    x = {"w": bit_inputs(N, 4096)}
+    for normalize, count in (("contributors", N - 4), ("world", N)):
+        tx = sr.skip_reduce("i", skip_ratio=0.5, min_size=0, normalize=normalize)
+        (out,) = _reduce_once(tx, x)
+        sums = out["w"] * count
+        assert np.all(popcount(np.rint(sums)) == N - 4)
+        np.testing.assert_array_equal(out["w"], out["w"][:1].repeat(N, 0))
+
+
+@pytest.mark.parametrize("ratio, n, k", [(0.5, 8, 4), (0.2, 8, 1), (0.5, 4, 2),
+                                         (0.0, 8, 0), (1.0, 8, 7), (0.3, 2, 0),
+                                         (0.5, 2, 1)])
+def test_skip_ratio_rounds_half_up(ratio, n, k):
+    assert sr.comm_stats({"w": jnp.zeros(10**6)}, n, skip_ratio=ratio).num_skip == k
+    if n == 8:
+        tx = sr.skip_reduce("i", skip_ratio=ratio, min_size=0, normalize="world")
+        (out,) = _reduce_once(tx, {"w": bit_inputs(N, 2048)})
+        assert np.all(popcount(np.rint(out["w"] * N)) == N - k)
+
+
+def test_key_changes_every_step_and_is_seeded():
+    x = {"w": bit_inputs(N, 4096)}
+    tx = sr.skip_reduce("i", num_skip=3, min_size=0, normalize="world")
+    a = _reduce_once(tx, x, steps=2)
+    b = _reduce_once(tx, x, steps=2)
+    c = _reduce_once(sr.skip_reduce("i", num_skip=3, min_size=0,
+                                    normalize="world", seed=1), x, steps=2)
+    np.testing.assert_array_equal(a[0]["w"], b[0]["w"])  # deterministic
+    assert not np.array_equal(a[0]["w"], a[1]["w"])      # step count moves
+    assert not np.array_equal(a[0]["w"], c[0]["w"])      # seed matters
+
+
+def test_selective_and_min_size_leaves_equal_pmean_exactly():
+    rng = np.random.default_rng(1)
+    grads = {"embed": rng.normal(size=(N, 4096)).astype(np.float32),
+             "dense": rng.normal(size=(N, 4096)).astype(np.float32),
+             "bias": rng.normal(size=(N, 16)).astype(np.float32)}
+    selections = [
+        {"embed": False, "dense": True, "bias": True},
+        lambda params: {"embed": False, "dense": True, "bias": True},
+        sr.by_path(lambda path, leaf: "embed" not in path),
+        sr.exclude("embed"),
+    ]
+    for selective in selections:
+        tx = sr.skip_reduce("i", num_skip=4, min_size=100, selective=selective)
+
+        def f(g, params):
+            return tx.update(g, tx.init(params), params)[0], lax.pmean(g, "i")
+
+        params = {k: np.zeros(v.shape[1:], np.float32) for k, v in grads.items()}
+        out, mean = per_rank(f, grads, n=N, replicated_args=(params,))
+        np.testing.assert_array_equal(out["embed"], mean["embed"])  # unselected
+        np.testing.assert_array_equal(out["bias"], mean["bias"])    # < min_size
+        assert not np.allclose(out["dense"], mean["dense"])         # skipped
+
+
+def test_selective_callable_needs_params():
+    tx = sr.skip_reduce("i", num_skip=1, selective=lambda p: p)
+    with pytest.raises(ValueError, match="got params=None"):
+        per_rank(lambda g: tx.update(g, tx.init(g))[0], np.ones((N, 4)), n=N)
+
+
+def test_selective_must_be_python_bools():
+    tx = sr.skip_reduce("i", num_skip=1, selective={"w": jnp.array(True)})
+    with pytest.raises(TypeError, match="must be a Python bool"):
+        per_rank(lambda g: tx.update(g, tx.init(g))[0], {"w": np.ones((N, 4))},
+                 n=N)
+
+
+def test_warmup_switches_without_recompiling():
+    rng = np.random.default_rng(2)
+    grads = rng.normal(size=(N, 8192)).astype(np.float32)
+    tx = sr.skip_reduce("i", num_skip=4, min_size=0, warmup_steps=3)
+    mesh = line_mesh(N)
+
+    def f(g, state):
+        out, state = tx.update(g[0], state)
+        return out, state, lax.pmean(g[0], "i")
+
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P()),
+                                 out_specs=(P(), P(), P())))
+    g = jax.device_put(grads, NamedSharding(mesh, P("i")))
+    state = sr.replicate(tx.init(grads[0]), mesh)
+    exact = []
+    for _ in range(6):
+        out, state, mean = step(g, state)
+        exact.append(bool(np.array_equal(np.asarray(out), np.asarray(mean))))
+    assert exact == [True, True, True, False, False, False]
+    assert step._cache_size() == 1  # one compilation for both paths
+
+
+def test_error_feedback_bookkeeping_is_exact():
+    # Integer-valued gradients, N = 8: every sum and division by N is exact.
+    rng = np.random.default_rng(3)
+    steps = 6
+    grads = rng.integers(-50, 50, size=(steps, N, 3000)).astype(np.float32)
+    tx = sr.skip_reduce("i", num_skip=5, min_size=0, error_feedback=True)
+
+    def f(g, params):
+        state = tx.init(params)
+        delivered = jnp.zeros_like(params)
+        for t in range(steps):
+            out, state = tx.update(g[t], state)
+            delivered = delivered + out
+        return delivered, state.residual[0]
+
+    per_rank_grads = np.moveaxis(grads, 1, 0)  # [N, steps, size]
+    delivered, residual = per_rank(f, per_rank_grads, n=N,
+                                   replicated_args=(np.zeros(3000, np.float32),))
+    total = grads.sum(axis=(0, 1))
+    np.testing.assert_array_equal(delivered[0] * N + residual.sum(0), total)
+    assert np.any(residual != 0)
+    assert not np.array_equal(residual[0], residual[1])  # per rank
+
+
+def test_double_reduction_is_refused():
+    mesh = line_mesh(N)
+    tx = sr.skip_reduce("i", num_skip=2, min_size=0)
+    w = jnp.ones((64,))
+    x = jax.device_put(jnp.ones((N, 64)), NamedSharding(mesh, P("i")))
+
+    def f(w, x):
+        grads = jax.grad(lambda w: jnp.sum(w * x))(w)  # already psummed
+        return tx.update(grads, tx.init(w))[0]
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    with pytest.raises(ValueError, match=r"replicated \(invariant\) over \['i'\]"
+                       r".*local_value_and_grad"):
+        jax.jit(g)(w, x)
+
+    def fixed(w, x):
+        grads = sr.local_grad(lambda w: jnp.sum(w * x), "i")(w)
+        return tx.update(grads, tx.init(w))[0]
+
+    out = jax.jit(jax.shard_map(fixed, mesh=mesh, in_specs=(P(), P("i")),
+                                out_specs=P()))(w, x)
+    np.testing.assert_allclose(np.asarray(out), 1.0)  # the mean, not N x it
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), "exactly one of num_skip"),
+    (dict(num_skip=1, skip_ratio=0.5), "exactly one of num_skip"),
+    (dict(skip_ratio=1.5), r"skip_ratio=1.5 must be a number in \[0, 1\]"),
+    (dict(num_skip=-1), "num_skip=-1 must be an int >= 0"),
+    (dict(num_skip=1, normalize="mean"), "normalize='mean' must be"),
+    (dict(num_skip=1, error_feedback=True, normalize="contributors"),
+     "error_feedback=True needs normalize='world'"),
+    (dict(num_skip=1, warmup_steps=-1), "warmup_steps=-1 must be a non-negative"),
+    (dict(num_skip=1, min_size=1.5), "min_size=1.5 must be a non-negative"),
+    (dict(num_skip=1, inner_axis="i"), "inner_axis='i' is also axis_name"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sr.skip_reduce("i", **kwargs)
+
+
+def test_num_skip_too_large_for_axis_fails_at_trace_time():
+    tx = sr.skip_reduce("i", num_skip=8, min_size=0)
+    with pytest.raises(ValueError, match=r"num_skip=8 is outside \[0, 7\]"):
+        per_rank(lambda g: tx.update(g, tx.init(g))[0], np.ones((N, 4)), n=N)
+
+
+def test_comm_stats():
+    grads = {"big": jnp.zeros((1 << 20,)), "small": jnp.zeros((1000,))}
+    stats = sr.comm_stats(grads, 8, num_skip=4)
+    full = 2 * 7 / 8 * (4 << 20 | 4000)
+    assert stats.full_bytes_per_device == pytest.approx(full)
+    assert stats.bytes_per_device == pytest.approx(
+        10 / 8 * (4 << 20) + 14 / 8 * 4000)
+    assert stats.dropped_fraction == pytest.approx(0.5 * (1 << 20) / ((1 << 20) + 1000))
+    none = sr.comm_stats(grads, 8, num_skip=4, selective={"big": False,
+                                                          "small": True})
+    assert none.ratio == 1.0 and none.dropped_fraction == 0.0
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(10)(x)
+
+
+def test_flax_params_stay_bit_identical_over_50_steps():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(N * 16, 64)).astype(np.float32)
+    y = rng.integers(0, 10, size=(N * 16,))
+    model = _MLP()
+    params = model.init(jax.random.key(0), x[:1])
+
+    def loss_fn(p, batch):
+        logits = model.apply(p, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch[1]).mean()
+
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0),
+                     optax.adamw(1e-3))
+    params = sr.replicate(params, mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh)
+    step = sr.make_train_step(loss_fn, tx, mesh)
+    batch = sr.shard_batch((x, y), mesh)
+    first = None
+    for _ in range(50):
+        params, opt_state, loss = step(params, opt_state, batch)
+        first = float(loss) if first is None else first
+    assert float(loss) < first
+    for leaf in jax.tree_util.tree_leaves(params):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == N
+        for s in shards[1:]:
+            np.testing.assert_array_equal(s, shards[0])
