@@ -1,0 +1,136 @@
+"""Hierarchical SkipReduce: full over the fast inner axis, skipped over outer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from helpers import popcount
+
+AXES = ("host", "local")
+
+
+def _grid(hosts, local, size):
+    """Device (h, l) holds 2**(h * local + l): the sum's bits name devices."""
+    bits = 2.0 ** np.arange(hosts * local).reshape(hosts, local, 1)
+    return np.broadcast_to(bits, (hosts, local, size)).astype(np.float32)
+
+
+def _run(fn, hosts, local, x):
+    mesh = jax.make_mesh((hosts, local), AXES)
+    xs = jax.device_put(x, NamedSharding(mesh, P(*AXES)))
+    f = jax.shard_map(lambda v: fn(v[0, 0])[None, None], mesh=mesh,
+                      in_specs=P(*AXES), out_specs=P(*AXES), check_vma=True)
+    return np.asarray(jax.jit(f)(xs))
+
+
+@pytest.mark.parametrize("hosts, local", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("randomize", [True, False])
+def test_each_element_sums_whole_hosts(hosts, local, randomize):
+    x = _grid(hosts, local, 1000)
+    for k in range(hosts):
+        def fn(v):
+            kw = dict(key=jax.random.key(k), num_skip=k, randomize=randomize,
+                      inner_axis="local")
+            return jnp.stack([sr.skip_psum(v, "host", **kw),
+                              sr.contribution_mask(v, "host", **kw)])
+
+        out = _run(fn, hosts, local, x)
+        sums, masks = out[:, :, 0].astype(np.int64), out[:, :, 1]
+        assert np.all(sums == sums[:1, :1])                # identical everywhere
+        group = (1 << local) - 1
+        per_host = np.stack([(sums[0, 0] >> (h * local)) & group
+                             for h in range(hosts)])       # [hosts, size]
+        assert np.all((per_host == 0) | (per_host == group))  # whole hosts
+        assert np.all((per_host == group).sum(0) == hosts - k)
+        assert np.all(popcount(sums[0, 0]) == (hosts - k) * local)
+        for h in range(hosts):                             # mask agrees
+            for l in range(local):
+                np.testing.assert_array_equal(masks[h, l], per_host[h] == group)
+
+
+def test_hierarchical_pmean_and_k0_equal_psum():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 333)).astype(np.float32)
+
+    def fn(v):
+        return jnp.stack([
+            sr.skip_psum(v, "host", key=None, num_skip=0, inner_axis="local"),
+            sr.skip_pmean(v, "host", key=jax.random.key(0), num_skip=1,
+                          inner_axis="local", normalize="world") * 8,
+            lax.psum(v, AXES)])
+
+    out = _run(fn, 2, 4, x)
+    np.testing.assert_allclose(out[0, 0, 0], out[0, 0, 2], rtol=1e-5, atol=1e-5)
+    # k = 1 of 2 hosts: exactly one host's four devices per element.
+    host_sums = x.sum(1)
+    got = out[0, 0, 1]
+    assert np.all(np.isclose(got, host_sums[0], atol=1e-4) |
+                  np.isclose(got, host_sums[1], atol=1e-4))
+
+
+def test_outer_axis_traffic_matches_formula():
+    hosts, local, size = 4, 2, 4096
+    mesh = jax.make_mesh((hosts, local), AXES)
+    x = jax.ShapeDtypeStruct((hosts, local, size), jnp.float32,
+                             sharding=NamedSharding(mesh, P(*AXES)))
+    for k in range(hosts):
+        f = jax.shard_map(
+            lambda v: sr.skip_psum(v, "host", key=jax.random.key(0), num_skip=k,
+                                   inner_axis="local", chunks_per_rank=4),
+            mesh=mesh, in_specs=P(*AXES), out_specs=P())
+        traffic = sr.collective_traffic(jax.jit(f).lower(x).compile().as_text())
+        outer = traffic.bytes_per_device("collective-permute") + sum(
+            op.bytes_per_device for op in traffic.ops
+            if op.kind == "all-gather" and op.group_size == hosts)
+        shard_bytes = size * 4 / local
+        assert outer == pytest.approx((2 * (hosts - 1) - k) / hosts * shard_bytes)
+        inner = [op for op in traffic.ops if op.group_size == local and
+                 op.kind in ("reduce-scatter", "all-gather")]
+        assert {op.kind for op in inner} == {"reduce-scatter", "all-gather"}
+        assert traffic.count("all-reduce") == 0
+
+
+def test_skip_reduce_hierarchical_training_keeps_replicas_identical():
+    mesh = jax.make_mesh((2, 4), AXES)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * 4, 32)).astype(np.float32)
+    y = rng.normal(size=(8 * 4, 4)).astype(np.float32)
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2)
+
+    tx = optax.chain(sr.skip_reduce("host", num_skip=1, inner_axis="local",
+                                    min_size=0, error_feedback=True),
+                     optax.sgd(0.05))
+    params = sr.replicate({"w": jnp.zeros((32, 4))}, mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh, AXES)
+    assert opt_state[0].residual["w"].shape == (8, 32, 4)
+    step = sr.make_train_step(loss_fn, tx, mesh, AXES)
+    losses = []
+    for _ in range(15):
+        params, opt_state, loss = step(params, opt_state,
+                                       sr.shard_batch((x, y), mesh, AXES))
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    shards = [np.asarray(s.data) for s in params["w"].addressable_shards]
+    for s in shards[1:]:
+        np.testing.assert_array_equal(s, shards[0])
+
+
+def test_bad_axes():
+    x = _grid(2, 4, 16)
+    with pytest.raises(ValueError, match="inner_axis='host' is also axis_name"):
+        _run(lambda v: sr.skip_psum(v, "host", key=jax.random.key(0), num_skip=1,
+                                    inner_axis="host"), 2, 4, x)
+    with pytest.raises(NameError, match="inner_axis='gpu' is not a bound axis"):
+        _run(lambda v: sr.skip_psum(v, "host", key=jax.random.key(0), num_skip=1,
+                                    inner_axis="gpu"), 2, 4, x)
+    with pytest.raises(NameError, match="axis_name='dcn' is not a bound axis"):
+        _run(lambda v: sr.skip_psum(v, "dcn", key=jax.random.key(0), num_skip=1,
+                                    inner_axis="local"), 2, 4, x)
