@@ -12,11 +12,15 @@ from skipreduce_jax._collectives import contribution_mask as contribution_mask
 from skipreduce_jax._collectives import ring_psum as ring_psum
 from skipreduce_jax._collectives import skip_pmean as skip_pmean
 from skipreduce_jax._collectives import skip_psum as skip_psum
+from skipreduce_jax._guards import assert_replicated as assert_replicated
+from skipreduce_jax._guards import check_replicated as check_replicated
+from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import make_schedule as make_schedule
+from skipreduce_jax._training import check_settings_agree as check_settings_agree
 from skipreduce_jax._training import init_opt_state as init_opt_state
 from skipreduce_jax._training import local_grad as local_grad
 from skipreduce_jax._training import local_value_and_grad as local_value_and_grad

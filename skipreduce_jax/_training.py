@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _collectives as coll
+from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._transform import SkipReduceState
 
 AxisNames = str | tuple[str, ...]
@@ -137,11 +138,11 @@ def state_specs(opt_state: Any, axis_name: AxisNames) -> Any:
     residual_spec = P(axes[0] if len(axes) == 1 else axes)
 
     def spec(node):
+        specs = jax.tree_util.tree_map(lambda _: P(), node)
         if isinstance(node, SkipReduceState):
-            return SkipReduceState(
-                P(), P(), jax.tree_util.tree_map(lambda _: residual_spec,
-                                                 node.residual))
-        return jax.tree_util.tree_map(lambda _: P(), node)
+            specs = specs._replace(residual=jax.tree_util.tree_map(
+                lambda _: residual_spec, node.residual))
+        return specs
 
     return jax.tree_util.tree_map(
         spec, opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
@@ -181,6 +182,11 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
                    mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> Any:
     """Runs ``tx.init`` so each part of the state lands where the step wants it.
 
+    It also checks, with one tiny collective over the whole mesh, that every
+    device (every process) built :func:`skip_reduce` with the same seed and
+    settings: a mismatch would train on silently wrong sums (or hang), so it
+    is refused before the first step.
+
     Args:
       tx: the optimizer (containing :func:`skip_reduce`).
       params: replicated params.
@@ -189,11 +195,49 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
 
     Returns:
       The state, placed according to :func:`state_specs`.
+
+    Raises:
+      ValueError: if the seed or the settings differ between devices.
     """
     specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
                          check_vma=True)
-    return jax.jit(init)(params)
+    opt_state = jax.jit(init)(params)
+    check_settings_agree(opt_state, mesh)
+    return opt_state
+
+
+def check_settings_agree(opt_state: Any, mesh: jax.sharding.Mesh) -> None:
+    """Raises if the :func:`skip_reduce` seed or settings differ by device.
+
+    Args:
+      opt_state: a state holding one or more :class:`SkipReduceState`.
+      mesh: the mesh the state lives on.
+
+    Raises:
+      ValueError: naming what differs (the seed or the settings).
+    """
+    nodes = [n for n in jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
+             if isinstance(n, SkipReduceState)]
+    if not nodes:
+        return
+    shared = [(n.key, n.fingerprint) for n in nodes]
+    flags = jax.jit(jax.shard_map(
+        lambda t: leaf_agreement(t, tuple(mesh.axis_names)), mesh=mesh,
+        in_specs=P(), out_specs=P(), check_vma=False))(shared)
+    for key_ok, settings_ok in flags:
+        if not bool(settings_ok):
+            raise ValueError(
+                "skip_reduce settings (num_skip/skip_ratio, randomize, "
+                "normalize, min_size, warmup_steps, error_feedback, ...) differ "
+                "between devices or processes. Every process must build the "
+                "optimizer with the same arguments.")
+        if not bool(key_ok):
+            raise ValueError(
+                "skip_reduce seed differs between devices or processes: ranks "
+                "would drop different contributions. Pass the same seed to "
+                "skip_reduce on every process.")
 
 
 def make_train_step(

@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import math
 import re
+import zlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ from jax import lax
 
 from skipreduce_jax import _collectives as coll
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from skipreduce_jax._guards import leaf_agreement
 
 _API = "skip_reduce"
 
@@ -39,6 +41,8 @@ class SkipReduceState(NamedTuple):
     Attributes:
       count: int32 step counter; the step's key is ``fold_in(key, count)``.
       key: uint32[2] key data made from ``seed``.
+      fingerprint: uint32 checksum of the settings (all but ``seed`` and
+        ``selective``), so that ranks can check that they agree.
       residual: error feedback only (else ``optax.EmptyState()``): what this
         rank's gradient lost to skipping, added back next step. Each leaf has
         a leading axis of size 1 inside ``shard_map`` (one row per rank,
@@ -47,6 +51,7 @@ class SkipReduceState(NamedTuple):
 
     count: jax.Array
     key: jax.Array
+    fingerprint: jax.Array
     residual: Any
 
 
@@ -116,6 +121,16 @@ class _Config:
     chunks_per_rank: int | None
     bucket_bytes: int
     accumulate_dtype: Any
+    verify_sync: bool
+    check_finite: bool
+
+    def fingerprint(self) -> int:
+        """A checksum of the settings that every rank must share."""
+        fields = dataclasses.asdict(self)
+        for name in ("seed", "selective", "verify_sync"):
+            fields.pop(name)
+        fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
+        return zlib.crc32(repr(sorted(fields.items())).encode())
 
     def resolve_num_skip(self, n: int) -> int:
         if self.skip_ratio is not None:
@@ -180,6 +195,8 @@ def skip_reduce(
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
+    check_finite: bool = False,
+    verify_sync: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
@@ -218,6 +235,15 @@ def skip_reduce(
       bucket_bytes: byte cap of one packed gradient buffer.
       accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
         float32.
+      check_finite: one tiny extra all-reduce per step: if any rank's local
+        gradient holds a NaN or Inf, every element of the update becomes NaN
+        on every rank. Without it a non-finite value reaches only the
+        elements where its rank was summed, and vanishes where it was
+        dropped. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
+        after ``skip_reduce`` (it then sees replicated values).
+      verify_sync: debug: every step, compare the step count, key and
+        settings across ranks (two all-reduces of a few words) and raise if
+        they differ.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
@@ -241,7 +267,8 @@ def skip_reduce(
         if config.error_feedback:
             residual = jax.tree_util.tree_map(
                 lambda p: _per_rank_zeros(p, config), params)
-        return SkipReduceState(jnp.zeros((), jnp.int32), key, residual)
+        return SkipReduceState(jnp.zeros((), jnp.int32), key,
+                               jnp.uint32(config.fingerprint()), residual)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -253,7 +280,7 @@ def skip_reduce(
 def _make_config(
     axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
     min_size, warmup_steps, error_feedback, inner_axis, chunks_per_rank,
-    bucket_bytes, accumulate_dtype,
+    bucket_bytes, accumulate_dtype, check_finite, verify_sync,
 ) -> _Config:
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
@@ -297,7 +324,8 @@ def _make_config(
     return _Config(axis_name, num_skip, skip_ratio, int(seed), bool(randomize),
                    normalize, selective, int(min_size), int(warmup_steps),
                    bool(error_feedback), inner_axis, chunks_per_rank,
-                   bucket_bytes, accumulate_dtype)
+                   bucket_bytes, accumulate_dtype, bool(verify_sync),
+                   bool(check_finite))
 
 
 def _axes(config: _Config) -> tuple[str, ...]:
@@ -386,8 +414,30 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                for s, r in zip(skippable, residuals)]
         new = [x.astype(r.dtype) for x, r in zip(new, residuals)]
         residual = jax.tree_util.tree_unflatten(treedef, new)
-    new_state = SkipReduceState(state.count + 1, state.key, residual)
+    if config.check_finite:
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
+        out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
+    if config.verify_sync:
+        _verify_sync(state, axes)
+    new_state = state._replace(count=state.count + 1, residual=residual)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
+    agree = leaf_agreement((state.count, state.key, state.fingerprint), axes)
+
+    def check(count_ok, key_ok, settings_ok, count):
+        if not (count_ok and key_ok and settings_ok):
+            what = [name for name, ok in (("step count", count_ok),
+                                          ("key (seed)", key_ok),
+                                          ("settings", settings_ok)) if not ok]
+            raise RuntimeError(
+                f"{_API}(verify_sync=True): the {', '.join(what)} differ across "
+                f"ranks over {list(axes)} at step {int(count)}. Every rank must "
+                "use the same seed and settings and restore the same state.")
+
+    jax.debug.callback(check, *agree, state.count)
 
 
 class CommStats(NamedTuple):

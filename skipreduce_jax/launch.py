@@ -1,0 +1,454 @@
+"""Starts a multi-process JAX job on this machine, like ``torchrun`` does.
+
+Usage::
+
+    python -m skipreduce_jax.launch -n 2 --devices-per-process 2 train.py --lr 0.1
+
+starts ``sys.executable train.py --lr 0.1`` twice. Each process finds in its
+environment where the coordinator is and who it is (see
+:mod:`skipreduce_jax.distributed`), and the script starts with::
+
+    from skipreduce_jax.distributed import initialize
+    initialize()
+
+Every line a process writes (stdout and stderr) is forwarded to the
+launcher's stdout, prefixed with ``[p<id>] ``.
+
+The launcher exits with 0 when all processes exit with 0. As soon as one
+process fails, or ``--timeout`` passes, it ends all of them (SIGTERM to each
+process group, then SIGKILL after :data:`KILL_GRACE_SECONDS`: JAX catches
+SIGTERM), reports on stderr which process failed and why, and exits with
+
+* the exit code of the first process that failed,
+* ``128 + N`` if that process was killed by signal ``N``,
+* :data:`EXIT_TIMEOUT` (124, as ``timeout(1)``) when ``--timeout`` passed,
+* ``128 + N`` when the launcher itself got SIGINT, SIGTERM or SIGHUP (N),
+* :data:`EXIT_USAGE` (2) for bad arguments; then nothing is started.
+
+Each process runs in its own session, so that ending it ends everything it
+started too. On Linux, :func:`skipreduce_jax.distributed.initialize` also
+has the process killed when the launcher dies (even by SIGKILL).
+
+Environment of each process (besides the launcher's own): the
+``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed`,
+``JAX_PLATFORMS=cpu`` unless ``JAX_PLATFORMS`` is set, and
+``PYTHONUNBUFFERED=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, Final
+
+from skipreduce_jax.distributed import (
+    ENV_COORDINATOR,
+    ENV_LAUNCHER_PID,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "EXIT_TIMEOUT",
+    "EXIT_USAGE",
+    "KILL_GRACE_SECONDS",
+    "MAX_TOTAL_DEVICES",
+    "PROCESSES_PER_CPU",
+    "LaunchError",
+    "launch",
+    "main",
+]
+
+PROG: Final = "python -m skipreduce_jax.launch"
+
+#: Seconds a job may run before it is ended (``--timeout``).
+DEFAULT_TIMEOUT: Final = 600.0
+#: Seconds between SIGTERM and SIGKILL when ending processes.
+KILL_GRACE_SECONDS: Final = 3.0
+#: Most devices (processes x devices per process) one job may ask for.
+MAX_TOTAL_DEVICES: Final = 512
+#: Most processes per CPU core (``os.cpu_count()``) one job may start.
+PROCESSES_PER_CPU: Final = 8
+#: Exit status when ``--timeout`` passed.
+EXIT_TIMEOUT: Final = 124
+#: Exit status for bad arguments.
+EXIT_USAGE: Final = 2
+
+_POLL_SECONDS: Final = 0.05
+_DRAIN_SECONDS: Final = 2.0
+_HANDLED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class LaunchError(ValueError):
+    """Bad launcher arguments (nothing was started)."""
+
+
+def launch(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    num_processes: int,
+    devices_per_process: int = 1,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Runs ``num_processes`` copies of a Python script as one JAX job.
+
+    Blocks until all processes ended; their output goes to ``sys.stdout``
+    line by line, prefixed with ``[p<id>] ``, and a failure report to
+    ``sys.stderr``. See the module docstring for the exit statuses.
+
+    Args:
+        script: Path of the Python script each process runs.
+        args: Command-line arguments passed to every copy of the script.
+        num_processes: Number of processes, at least 1 and at most
+            :data:`PROCESSES_PER_CPU` per CPU core.
+        devices_per_process: CPU devices each process creates, at least 1;
+            ``num_processes * devices_per_process`` is at most
+            :data:`MAX_TOTAL_DEVICES`.
+        timeout: Seconds after which all processes are ended and
+            :data:`EXIT_TIMEOUT` returned; ``None`` waits forever.
+        port: TCP port of the coordinator on 127.0.0.1; ``None`` picks a free
+            one.
+        env: Extra environment variables for the processes, on top of
+            ``os.environ`` (the ``SKIPREDUCE_*`` variables win over both).
+
+    Returns:
+        0 if all processes exited with 0, else the exit status described in
+        the module docstring.
+
+    Raises:
+        LaunchError: If an argument is invalid, the script does not exist or
+            ``port`` is in use. No process was started then.
+
+    Example:
+        >>> from skipreduce_jax.launch import launch
+        >>> launch("train.py", ["--steps", "10"],
+        ...        num_processes=2, devices_per_process=2)  # doctest: +SKIP
+        0
+    """
+    script = os.fspath(script)
+    _validate(script, num_processes, devices_per_process, timeout, port)
+    port = _free_port() if port is None else _check_port(port)
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    base_env.setdefault("JAX_PLATFORMS", "cpu")
+    base_env["PYTHONUNBUFFERED"] = "1"
+    base_env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+    base_env[ENV_NUM_PROCESSES] = str(num_processes)
+    base_env[ENV_LOCAL_DEVICES] = str(devices_per_process)
+    base_env[ENV_LAUNCHER_PID] = str(os.getpid())
+    job = _Job([sys.executable, script, *args], base_env, num_processes, timeout)
+    return job.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: parses ``argv`` and calls :func:`launch`.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` if ``None``.
+
+    Returns:
+        The exit status of :func:`launch`, or :data:`EXIT_USAGE` if the
+        arguments are invalid.
+
+    Example:
+        >>> main(["-n", "2", "train.py"])  # doctest: +SKIP
+        0
+    """
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        return launch(
+            ns.script,
+            ns.script_args,
+            num_processes=ns.num_processes,
+            devices_per_process=ns.devices_per_process,
+            timeout=ns.timeout if ns.timeout > 0 else None,
+            port=ns.port,
+        )
+    except LaunchError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+# --------------------------------------------------------------------------
+# Arguments.
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run SCRIPT in P processes on this machine as one multi-process JAX job. "
+        "The script calls skipreduce_jax.distributed.initialize() first.",
+    )
+    parser.add_argument(
+        "-n",
+        "--num-processes",
+        type=int,
+        required=True,
+        metavar="P",
+        help=f"number of processes (>= 1, <= {PROCESSES_PER_CPU} per CPU core)",
+    )
+    parser.add_argument(
+        "-d",
+        "--devices-per-process",
+        type=int,
+        default=1,
+        metavar="D",
+        help=f"CPU devices per process (>= 1; P*D <= {MAX_TOTAL_DEVICES}; default 1)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"end all processes after S seconds and exit {EXIT_TIMEOUT} "
+        f"(default {DEFAULT_TIMEOUT:g}; <= 0: no limit)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="Python script each process runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
+    )
+    return parser
+
+
+def _validate(
+    script: str,
+    num_processes: int,
+    devices_per_process: int,
+    timeout: float | None,
+    port: int | None,
+) -> None:
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise LaunchError(f"-n/--num-processes must be an integer >= 1, got {num_processes!r}.")
+    if not isinstance(devices_per_process, int) or devices_per_process < 1:
+        raise LaunchError(
+            f"--devices-per-process must be an integer >= 1, got {devices_per_process!r}."
+        )
+    cpus = os.cpu_count() or 1
+    if num_processes > PROCESSES_PER_CPU * cpus:
+        raise LaunchError(
+            f"-n/--num-processes {num_processes} is more than {PROCESSES_PER_CPU} processes per "
+            f"CPU core ({cpus} cores: at most {PROCESSES_PER_CPU * cpus}). Use fewer processes "
+            "and more --devices-per-process."
+        )
+    total = num_processes * devices_per_process
+    if total > MAX_TOTAL_DEVICES:
+        raise LaunchError(
+            f"{num_processes} processes x {devices_per_process} devices = {total} devices is more "
+            f"than the limit of {MAX_TOTAL_DEVICES}. Lower -n/--num-processes or "
+            "--devices-per-process."
+        )
+    if timeout is not None and not timeout > 0:
+        raise LaunchError(
+            f"--timeout must be > 0 seconds (or None for no limit), got {timeout!r}."
+        )
+    if port is not None and not (isinstance(port, int) and 1 <= port <= 65535):
+        raise LaunchError(f"--port must be an integer in 1..65535, got {port!r}.")
+    if not os.path.isfile(script):
+        what = "is a directory, not a file" if os.path.isdir(script) else "does not exist"
+        raise LaunchError(f"SCRIPT {script!r} {what} (working directory: {os.getcwd()}).")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _check_port(port: int) -> int:
+    # SO_REUSEADDR as the coordinator's gRPC server uses it: then a bind only
+    # fails if some socket listens on the port (not for TIME_WAIT leftovers).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                reason = "already in use"
+            else:
+                reason = f"not usable ({err.strerror})"
+            raise LaunchError(
+                f"--port {port} is {reason} on 127.0.0.1; nothing was started. Pass another "
+                "--port, or leave --port out to use a free port."
+            ) from None
+    return port
+
+
+# --------------------------------------------------------------------------
+# Running the processes.
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Job:
+    """The processes of one launch, their output threads and their fate."""
+
+    def __init__(
+        self, command: list[str], env: dict[str, str], num_processes: int, timeout: float | None
+    ) -> None:
+        self.command = command
+        self.env = env
+        self.num_processes = num_processes
+        self.timeout = timeout
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.readers: list[threading.Thread] = []
+        self.out_lock = threading.Lock()
+        self.received_signal: int | None = None
+
+    def run(self) -> int:
+        previous = self._install_signal_handlers()
+        try:
+            self._start()
+            status, report = self._wait()
+            if report is not None:
+                self._report(report)
+                self._end_all()
+            return status
+        finally:
+            self._end_all(quiet=True)
+            # Output still in the pipes; a process's leftover children may hold a
+            # pipe open, so do not wait for EOF forever (the threads are daemons).
+            deadline = time.monotonic() + _DRAIN_SECONDS
+            for reader in self.readers:
+                reader.join(timeout=max(0.0, deadline - time.monotonic()))
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, frame: object) -> None:
+            if self.received_signal is None:
+                self.received_signal = signum
+
+        previous: dict[int, Any] = {}
+        for signum in _HANDLED_SIGNALS:
+            previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, on_signal)
+        return previous
+
+    def _start(self) -> None:
+        for rank in range(self.num_processes):
+            env = dict(self.env)
+            env[ENV_PROCESS_ID] = str(rank)
+            self.procs.append(
+                subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        for rank, proc in enumerate(self.procs):
+            assert proc.stdout is not None
+            reader = threading.Thread(
+                target=self._forward, args=(rank, proc.stdout), name=f"launch-p{rank}", daemon=True
+            )
+            reader.start()
+            self.readers.append(reader)
+
+    def _forward(self, rank: int, stream: IO[bytes]) -> None:
+        prefix = f"[p{rank}] "
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                with self.out_lock:
+                    try:
+                        sys.stdout.write(prefix + line)
+                        sys.stdout.flush()
+                    except (AttributeError, OSError, ValueError):
+                        # No or broken stdout: keep reading, so that the
+                        # process never blocks on a full pipe.
+                        pass
+
+    def _wait(self) -> tuple[int, str | None]:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            if self.received_signal is not None:
+                name = _signal_name(self.received_signal)
+                running = sum(p.poll() is None for p in self.procs)
+                return 128 + self.received_signal, (
+                    f"received {name}; ending the {running} running process(es)."
+                )
+            running = []
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None:
+                    running.append(rank)
+                elif code != 0:
+                    others = sum(p.poll() is None for p in self.procs)
+                    if code < 0:
+                        why, status = f"was killed by {_signal_name(-code)}", 128 - code
+                    else:
+                        why, status = f"exited with code {code}", code
+                    if others:
+                        rest = f"ending the {others} other running process(es)"
+                    else:
+                        rest = "no other process was running"
+                    who = f"process {rank} ([p{rank}], pid {proc.pid})"
+                    return status, f"{who} failed: it {why}; {rest}."
+            if not running:
+                return 0, None
+            if deadline is not None and time.monotonic() >= deadline:
+                return EXIT_TIMEOUT, (
+                    f"timeout: process(es) {', '.join(map(str, running))} of {self.num_processes} "
+                    f"still running after {self.timeout:g} s (--timeout); ending them."
+                )
+            time.sleep(_POLL_SECONDS)
+
+    def _report(self, message: str) -> None:
+        with self.out_lock:
+            print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+    def _end_all(self, quiet: bool = False) -> None:
+        """SIGTERM to every process group, SIGKILL after the grace period."""
+        if not self.procs:
+            return
+        if not quiet or any(p.poll() is None for p in self.procs):
+            for proc in self.procs:
+                _kill_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + KILL_GRACE_SECONDS
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+            # Also for groups whose leader is gone: what it started may live on.
+            for proc in self.procs:
+                _kill_group(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

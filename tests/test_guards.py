@@ -1,0 +1,115 @@
+"""Replica-consistency guards, settings checks, and non-finite handling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from helpers import per_rank
+
+N = 8
+
+
+def _diverged(value, mesh, bad_device: int = 5, delta=1):
+    """A 'replicated' array whose copy on one device differs."""
+    value = np.asarray(value)
+    copies = [jax.device_put(value + delta if i == bad_device else value, d)
+              for i, d in enumerate(mesh.devices.flat)]
+    return jax.make_array_from_single_device_arrays(
+        value.shape, NamedSharding(mesh, P()), copies)
+
+
+def test_assert_replicated_passes_and_catches_a_diverged_leaf():
+    mesh = jax.make_mesh((N,), ("data",))
+    good = sr.replicate({"a": jnp.arange(10.0), "b": jnp.ones((3, 3))}, mesh)
+    sr.assert_replicated(good, mesh)
+    bad = dict(good, b=_diverged(np.ones((3, 3), np.float32), mesh))
+    with pytest.raises(AssertionError, match=r"\['b'\]"):
+        sr.assert_replicated(bad, mesh)
+
+
+def test_check_replicated_in_shard_map_sees_one_flipped_bit():
+    x = np.tile(np.linspace(0, 1, 50, dtype=np.float32), (N, 1))
+    x[3, 7] = np.nextafter(x[3, 7], np.float32(2))  # one ulp on one rank
+
+    def f(v):
+        return sr.check_replicated({"v": v}, "i"), sr.check_replicated(
+            {"w": v[:5]}, "i")
+
+    flipped, untouched = per_rank(f, x, n=N)
+    assert not flipped.any() and untouched.all()
+
+
+def test_settings_and_seed_mismatch_refused_at_start():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = sr.skip_reduce("data", num_skip=2, min_size=0)
+    params = sr.replicate({"w": jnp.zeros(16)}, mesh)
+    state = sr.init_opt_state(tx, params, mesh)  # consistent: no error
+    other = sr.skip_reduce("data", num_skip=3, min_size=0).init({"w": 0})
+    assert int(other.fingerprint) != int(state.fingerprint)
+    bad_settings = state._replace(fingerprint=_diverged(
+        np.uint32(state.fingerprint), mesh, delta=np.uint32(1)))
+    with pytest.raises(ValueError, match="settings .* differ"):
+        sr.check_settings_agree(bad_settings, mesh)
+    bad_seed = state._replace(key=_diverged(np.asarray(state.key), mesh,
+                                            delta=np.uint32(1)))
+    with pytest.raises(ValueError, match="seed differs"):
+        sr.check_settings_agree(bad_seed, mesh)
+
+
+def test_verify_sync_catches_a_desynchronized_key():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = sr.skip_reduce("data", num_skip=2, min_size=0, verify_sync=True)
+    params = sr.replicate({"w": jnp.zeros(64)}, mesh)
+    state = sr.init_opt_state(tx, params, mesh)
+    step = sr.make_train_step(lambda p, b: jnp.sum(p["w"] * b.sum(0)), tx,
+                              mesh, donate=False)
+    batch = sr.shard_batch(np.ones((N, 64), np.float32), mesh)
+    params, state, _ = step(params, state, batch)  # in sync: fine
+    jax.block_until_ready(params)
+    bad = state._replace(key=_diverged(np.asarray(state.key), mesh,
+                                       delta=np.uint32(7)))
+    with pytest.raises(Exception, match=r"key \(seed\) differ across ranks"):
+        jax.block_until_ready(step(params, bad, batch))
+    # The good state still steps (and replaces the failed run's effect token).
+    jax.block_until_ready(step(params, state, batch))
+
+
+def test_nonfinite_propagates_only_where_its_rank_was_summed():
+    x = np.ones((N, 4096), np.float32)
+    x[2, :] = np.nan
+
+    def f(v):
+        kw = dict(key=jax.random.key(0), num_skip=3)
+        return sr.skip_pmean(v, "i", **kw), sr.contribution_mask(v, "i", **kw)
+
+    out, mask = per_rank(f, x, n=N)
+    np.testing.assert_array_equal(np.isnan(out[0]), mask[2])
+    assert 0 < np.isnan(out[0]).mean() < 1
+
+
+def test_check_finite_spreads_nan_to_every_element_and_apply_if_finite_skips():
+    x = np.ones((N, 4096), np.float32)
+    x[2, 10] = np.inf
+    tx = sr.skip_reduce("i", num_skip=3, min_size=0, check_finite=True)
+    # apply_if_finite goes after skip_reduce: it then sees replicated values.
+    guarded = optax.chain(tx, optax.apply_if_finite(optax.sgd(1.0), 3))
+
+    def f(g, params):
+        out = tx.update(g, tx.init(params))[0]
+        updates, state = guarded.update(g, guarded.init(params), params)
+        return out, updates, state[1].notfinite_count
+
+    out, skipped, bad_steps = per_rank(f, x, n=N,
+                                       replicated_args=(np.zeros(4096, np.float32),))
+    assert np.isnan(out).all()
+    np.testing.assert_array_equal(skipped, 0.0)  # the step was skipped
+    assert (bad_steps == 1).all()
+
+    clean = np.ones((N, 4096), np.float32)
+    out = per_rank(lambda g: tx.update(g, tx.init(g))[0], clean, n=N)
+    np.testing.assert_allclose(out, 1.0)
