@@ -29,6 +29,8 @@ from skipreduce_jax._training import replicate as replicate
 from skipreduce_jax._training import shard_batch as shard_batch
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
+from skipreduce_jax.distributed import initialize as initialize
+from skipreduce_jax.distributed import process_info as process_info
 from skipreduce_jax._transform import CommStats as CommStats
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState
 from skipreduce_jax._transform import by_path as by_path
