@@ -138,9 +138,21 @@ def plan_buckets(
     for dtype, index_lists in groups.items():
         for indices in index_lists:
             size = sum(math.prod(shapes[i]) for i in indices)
-            chunks = chunks_per_rank or default_chunks_per_rank(
-                -(-size // (group_size * slot_divisor)))
-            multiple = group_size * slot_divisor * chunks
+            ranks = group_size * slot_divisor
+            chunks = chunks_per_rank or _chunks_without_padding(size, ranks)
+            multiple = ranks * chunks
             padded = -(-size // multiple) * multiple
             buckets.append(Bucket(dtype, tuple(indices), size, padded, chunks))
     return BucketPlan(treedef, shapes, dtypes, tuple(buckets))
+
+
+def _chunks_without_padding(size: int, ranks: int) -> int:
+    """The default granularity, lowered by up to half if that avoids padding.
+
+    A bucket that splits evenly is packed and unpacked without copies.
+    """
+    preferred = default_chunks_per_rank(-(-size // ranks))
+    for chunks in range(preferred, max(1, preferred // 2) - 1, -1):
+        if size % (ranks * chunks) == 0:
+            return chunks
+    return preferred

@@ -65,8 +65,11 @@ def reduce_scatter(
     def own_piece(step):
         # This rank's values of the ring chunk it adds to at `step`.
         chunk = (rank + last - step) % n
-        return pieces[schedule.slots_in_chunk(chunk), columns].astype(
-            accumulate_dtype)
+        if schedule.randomized:
+            piece = pieces[schedule.slots_in_chunk(chunk), columns]
+        else:  # every column takes slot `chunk`: a plain slice
+            piece = lax.dynamic_index_in_dim(pieces, chunk, 0, keepdims=False)
+        return piece.astype(accumulate_dtype)
 
     def body(step, acc):
         return _shift_right(acc, axis_name, n) + own_piece(step)

@@ -1,0 +1,256 @@
+"""Saving and resuming a data-parallel run with orbax-checkpoint.
+
+A checkpoint holds the params and the whole optimizer state, including each
+:class:`~skipreduce_jax.SkipReduceState`: the step count (which picks the
+step's key), the key data, the settings fingerprint and the error-feedback
+residuals, one row per rank. Resuming from it continues the run exactly as if
+it had never stopped::
+
+    save(ckpt_dir, step, params, opt_state)
+    ...
+    # A new process: same tx, same mesh.
+    params = replicate(init_params(), mesh)
+    opt_state = init_opt_state(tx, params, mesh, "data")
+    step, params, opt_state = restore(ckpt_dir, params_like=params,
+                                      opt_state_like=opt_state)
+
+:func:`restore` places every array with the sharding of the matching leaf of
+the ``*_like`` trees (replicated params on every device, each residual row
+back on its own rank's device) and refuses a checkpoint whose
+``skip_reduce`` settings differ from those of the optimizer it resumes.
+
+In a multi-process run every process calls :func:`save` and :func:`restore`
+with the same directory, on a file system all of them see; orbax writes each
+process's shards and synchronizes the processes.
+
+Requires ``orbax-checkpoint`` (``pip install skipreduce_jax[checkpoint]``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from skipreduce_jax._transform import SkipReduceState
+
+__all__ = ["latest_step", "restore", "save"]
+
+# Checkpoint items: two array trees and a small JSON record of the
+# skip_reduce settings, read (and checked) before any array is loaded.
+_PARAMS = "params"
+_OPT_STATE = "opt_state"
+_SETTINGS = "skip_reduce"
+
+
+def _manager(directory: str | os.PathLike[str], *, create: bool,
+             max_to_keep: int | None = None) -> ocp.CheckpointManager:
+    path = os.path.abspath(os.fspath(directory))
+    if not create and not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist.")
+    options = ocp.CheckpointManagerOptions(
+        create=create, max_to_keep=max_to_keep,
+        enable_async_checkpointing=False)
+    handlers = {_PARAMS: ocp.StandardCheckpointHandler(),
+                _OPT_STATE: ocp.StandardCheckpointHandler(),
+                _SETTINGS: ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+
+
+def _skip_states(opt_state: Any) -> list[tuple[str, SkipReduceState]]:
+    """Every SkipReduceState in ``opt_state`` with its path, in tree order."""
+    found = []
+
+    def visit(path, node):
+        if isinstance(node, SkipReduceState):
+            found.append((jax.tree_util.keystr(path), node))
+
+    jax.tree_util.tree_map_with_path(
+        visit, opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
+    return found
+
+
+def _rows(state: SkipReduceState) -> int | None:
+    """The ranks the error-feedback residuals hold rows for (None: no EF)."""
+    leaves = jax.tree_util.tree_leaves(state.residual)
+    return int(np.shape(leaves[0])[0]) if leaves else None
+
+
+def _value(leaf: Any) -> int | None:
+    """A scalar's value, read from this process's copy; None if abstract."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return None
+    if isinstance(leaf, jax.Array):
+        leaf = leaf.addressable_data(0)
+    return int(np.asarray(leaf))
+
+
+def _settings(opt_state: Any) -> dict[str, Any]:
+    return {"skip_reduce": [
+        {"path": path, "fingerprint": _value(state.fingerprint),
+         "residual_rows": _rows(state)}
+        for path, state in _skip_states(opt_state)]}
+
+
+def save(
+    directory: str | os.PathLike[str],
+    step: int,
+    params: Any,
+    opt_state: Any,
+    *,
+    max_to_keep: int | None = None,
+) -> None:
+    """Writes ``params`` and ``opt_state`` as checkpoint ``step``.
+
+    Blocks until the checkpoint is complete on disk, so the caller may
+    donate or overwrite the arrays right after. Every process of a
+    multi-process run must call it, with the same arguments.
+
+    Args:
+      directory: the checkpoint directory (created if missing); step
+        ``step`` goes into its subdirectory ``str(step)``.
+      step: the training step, larger than every step already saved there.
+      params: the params (e.g. replicated on the mesh).
+      opt_state: the optimizer state, as :func:`skipreduce_jax.init_opt_state`
+        and the train step place it (residuals sharded over the data axis).
+      max_to_keep: keep only this many newest checkpoints (None: all).
+
+    Raises:
+      ValueError: if ``step`` is not newer than the latest saved step.
+
+    Example:
+      >>> save("/tmp/run1", 100, params, opt_state)  # doctest: +SKIP
+    """
+    step = int(step)
+    with _manager(directory, create=True, max_to_keep=max_to_keep) as manager:
+        latest = manager.latest_step()
+        saved = manager.save(step, args=ocp.args.Composite(**{
+            _PARAMS: ocp.args.StandardSave(params),
+            _OPT_STATE: ocp.args.StandardSave(opt_state),
+            _SETTINGS: ocp.args.JsonSave(_settings(opt_state)),
+        }))
+        manager.wait_until_finished()
+    if not saved:
+        raise ValueError(
+            f"checkpoint step {step} was not saved: {os.fspath(directory)!r} "
+            f"already holds step {latest}, and steps must increase. Use a new "
+            "directory or a larger step.")
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest complete checkpoint step in ``directory``, or None."""
+    if not os.path.isdir(os.fspath(directory)):
+        return None
+    with _manager(directory, create=False) as manager:
+        return manager.latest_step()
+
+
+def _abstract(tree: Any, name: str) -> Any:
+    """ShapeDtypeStructs with each leaf's sharding: the restore target."""
+
+    def leaf(path, x):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            raise TypeError(
+                f"restore: {name}{jax.tree_util.keystr(path)} has no sharding "
+                f"(got {type(x).__name__}). Pass arrays placed on the mesh "
+                "(skipreduce_jax.replicate / init_opt_state) or "
+                "jax.ShapeDtypeStruct(shape, dtype, sharding=...).")
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _check_settings(saved: dict[str, Any], opt_state_like: Any,
+                    step: int) -> None:
+    """Refuses a checkpoint whose skip_reduce settings differ from the tx's."""
+    saved_states = saved["skip_reduce"]
+    like_states = _skip_states(opt_state_like)
+    if len(saved_states) != len(like_states):
+        raise ValueError(
+            f"restore: checkpoint step {step} holds {len(saved_states)} "
+            f"skip_reduce state(s) but opt_state_like holds "
+            f"{len(like_states)}: the optimizer is built differently.")
+    for entry, (path, state) in zip(saved_states, like_states):
+        where = f"opt_state{path}"
+        want = _value(state.fingerprint)
+        if want is not None and entry["fingerprint"] != want:
+            raise ValueError(
+                f"restore: the skip_reduce settings of checkpoint step {step} "
+                f"(fingerprint {entry['fingerprint']:#010x} at {where}) differ "
+                f"from those of the optimizer in opt_state_like (fingerprint "
+                f"{want:#010x}). Build skip_reduce with the same num_skip/"
+                "skip_ratio, randomize, normalize, min_size, warmup_steps, "
+                "error_feedback, inner_axis, chunks_per_rank, bucket_bytes, "
+                "accumulate_dtype and check_finite as the run that saved it.")
+        rows = _rows(state)
+        if entry["residual_rows"] != rows:
+            raise ValueError(
+                f"restore: checkpoint step {step} has error-feedback residuals "
+                f"for {entry['residual_rows']} ranks at {where}, opt_state_like "
+                f"for {rows}. Residuals are per rank: resume on the same "
+                "number of data-parallel ranks.")
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    *,
+    params_like: Any,
+    opt_state_like: Any,
+    step: int | None = None,
+) -> tuple[int, Any, Any]:
+    """Reads a checkpoint written by :func:`save`.
+
+    Each restored array gets the shape, dtype and sharding of the matching
+    leaf of ``params_like`` / ``opt_state_like``, and the trees keep their
+    structure (NamedTuples, ``optax.EmptyState``). Every process of a
+    multi-process run must call it, with the same arguments.
+
+    Args:
+      directory: the checkpoint directory given to :func:`save`.
+      params_like: params placed as the run wants them (their values are
+        not used), or ``jax.ShapeDtypeStruct`` leaves with a sharding.
+      opt_state_like: the state of a fresh
+        :func:`skipreduce_jax.init_opt_state` with the optimizer to resume
+        (or ShapeDtypeStructs with shardings; then the fingerprint check
+        below is skipped).
+      step: the step to read; None reads the latest.
+
+    Returns:
+      ``(step, params, opt_state)``.
+
+    Raises:
+      FileNotFoundError: if the directory or the step does not exist.
+      ValueError: if a ``skip_reduce`` state's settings fingerprint differs
+        from the one in ``opt_state_like`` (the optimizer was built with
+        other settings), or its residuals are for another number of ranks.
+
+    Example:
+      >>> step, params, opt_state = restore(
+      ...     "/tmp/run1", params_like=params, opt_state_like=opt_state)
+      ...     # doctest: +SKIP
+    """
+    params_target = _abstract(params_like, "params_like")
+    opt_target = _abstract(opt_state_like, "opt_state_like")
+    with _manager(directory, create=False) as manager:
+        if step is None:
+            step = manager.latest_step()
+            if step is None:
+                raise FileNotFoundError(
+                    f"no checkpoint in {os.fspath(directory)!r}.")
+        step = int(step)
+        if step not in manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint step {step} in {os.fspath(directory)!r} "
+                f"(steps: {list(manager.all_steps())}).")
+        saved = manager.restore(step, args=ocp.args.Composite(**{
+            _SETTINGS: ocp.args.JsonRestore()}))[_SETTINGS]
+        _check_settings(saved, opt_state_like, step)
+        restored = manager.restore(step, args=ocp.args.Composite(**{
+            _PARAMS: ocp.args.StandardRestore(params_target),
+            _OPT_STATE: ocp.args.StandardRestore(opt_target),
+        }))
+    return step, restored[_PARAMS], restored[_OPT_STATE]
