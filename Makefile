@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo demo-lm demo-multihost bench bench-cluster clean
+.PHONY: install test test-fast demo demo-lm demo-multihost bench bench-cluster \
+        bench-tta clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +15,33 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite, multi-process tests included (CI runs this).
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Without the slow (multi-process and training) tests.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(PY) examples/train_digits.py
+
+demo-lm: $(STAMP)
+	$(PY) examples/train_lm.py
+
+demo-multihost: $(STAMP)
+	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py
+
+# In-process collective timings (8 simulated CPU devices).
+bench: $(STAMP)
+	$(PY) benchmarks/collectives.py
+
+# The emulated 4-host, 1 Gbit/s cluster (needs root and iproute2).
+bench-cluster: $(STAMP)
+	$(PY) benchmarks/cluster.py
+
+bench-tta: $(STAMP)
+	$(PY) benchmarks/time_to_accuracy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
