@@ -1,0 +1,221 @@
+"""Checkpointing: a resumed run is bit-identical to one that never stopped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import skipreduce_jax as sr
+from skipreduce_jax import checkpoint
+
+N = 8
+T = 4  # steps before the checkpoint; the run then goes on to 2T
+REPO = Path(__file__).resolve().parents[1]
+RESUME_SCRIPT = REPO / "tests" / "mp_scripts" / "checkpoint_resume.py"
+RESUME_SCRIPT_T = 3  # T of checkpoint_resume.py: it saves steps T and 2T
+
+
+def _make_tx(num_skip: int = 5, error_feedback: bool = True) -> Any:
+    # Random SkipReduce with error feedback (the residuals carry state) and a
+    # warmup that ends before the checkpoint: steps 2..2T-1 skip.
+    return optax.chain(
+        sr.skip_reduce("data", num_skip=num_skip, seed=7, min_size=0,
+                       warmup_steps=2, error_feedback=error_feedback,
+                       chunks_per_rank=4),
+        optax.adam(0.05))
+
+
+def _loss(params: Any, batch: Any) -> jax.Array:
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w"]) + params["b"] - y) ** 2)
+
+
+def _init_params(seed: int) -> dict[str, jax.Array]:
+    key = jax.random.key(seed)
+    return {"w": jax.random.normal(key, (16, 64)) * 0.3, "b": jnp.zeros(64)}
+
+
+def _batch(step: int, mesh: jax.sharding.Mesh) -> Any:
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(N * 4, 16)).astype(np.float32)
+    y = rng.normal(size=(N * 4, 64)).astype(np.float32)
+    return sr.shard_batch((x, y), mesh, "data")
+
+
+def _fresh(mesh: jax.sharding.Mesh, *, seed: int = 0, **tx_kwargs) -> tuple:
+    """New tx, params, state and step function, as a restarted job builds."""
+    tx = _make_tx(**tx_kwargs)
+    params = sr.replicate(_init_params(seed), mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh, "data")
+    return tx, params, opt_state, sr.make_train_step(_loss, tx, mesh, "data")
+
+
+def _run(step_fn, params, opt_state, mesh, start: int, stop: int) -> tuple:
+    for i in range(start, stop):
+        params, opt_state, _ = step_fn(params, opt_state, _batch(i, mesh))
+    return params, opt_state
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _assert_trees_equal(got: Any, want: Any) -> None:
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((N,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mesh, tmp_path_factory) -> tuple[Path, Any, Any, Any]:
+    """2T steps in one go, saved at step T on the way; host copies."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    _, params, opt_state, step_fn = _fresh(mesh)
+    params, opt_state = _run(step_fn, params, opt_state, mesh, 0, T)
+    checkpoint.save(directory, T, params, opt_state)
+    saved_state = _host(opt_state)
+    # The step donates its inputs: save must be complete before this.
+    params, opt_state = _run(step_fn, params, opt_state, mesh, T, 2 * T)
+    return directory, saved_state, _host(params), _host(opt_state)
+
+
+def test_resume_is_bit_identical_with_error_feedback_and_warmup(mesh, uninterrupted):
+    directory, _, final_params, final_state = uninterrupted
+    # A restarted job: new objects, params initialised from another seed.
+    _, params, opt_state, step_fn = _fresh(mesh, seed=123)
+    step, params, opt_state = checkpoint.restore(
+        directory, params_like=params, opt_state_like=opt_state)
+    assert step == T
+    assert int(opt_state[0].count) == T
+    params, opt_state = _run(step_fn, params, opt_state, mesh, T, 2 * T)
+    _assert_trees_equal(_host(params), final_params)
+    _assert_trees_equal(_host(opt_state), final_state)
+    assert step_fn._cache_size() == 1  # restored placement matches the step's
+
+
+def test_restored_state_and_placement(mesh, uninterrupted):
+    directory, saved_state, _, _ = uninterrupted
+    _, params_like, state_like, _ = _fresh(mesh)
+    _, params, opt_state = checkpoint.restore(
+        directory, params_like=params_like, opt_state_like=state_like)
+    _assert_trees_equal(_host(opt_state), saved_state)
+    for got, like in zip(jax.tree_util.tree_leaves((params, opt_state)),
+                         jax.tree_util.tree_leaves((params_like, state_like))):
+        assert got.sharding == like.sharding
+    for leaf in jax.tree_util.tree_leaves(params):
+        assert leaf.is_fully_replicated
+
+    residual = opt_state[0].residual["w"]
+    saved = saved_state[0].residual["w"]
+    assert residual.shape == (N, 16, 64)
+    assert np.any(saved != 0) and not np.array_equal(saved[0], saved[1])
+    devices = list(mesh.devices.flat)
+    shards = sorted(residual.addressable_shards, key=lambda s: s.index[0].start)
+    assert len(shards) == N
+    for r, shard in enumerate(shards):
+        assert shard.index[0] == slice(r, r + 1)
+        assert shard.device == devices[r]   # rank r's row on rank r's device
+        np.testing.assert_array_equal(np.asarray(shard.data)[0], saved[r])
+
+
+def test_abstract_targets_and_latest_step(mesh, uninterrupted, tmp_path):
+    directory, saved_state, _, _ = uninterrupted
+    assert checkpoint.latest_step(directory) == T
+    assert checkpoint.latest_step(tmp_path / "none") is None
+    tx, params, state, _ = _fresh(mesh)
+    as_abstract = lambda t: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+    step, _, opt_state = checkpoint.restore(
+        directory, params_like=as_abstract(params),
+        opt_state_like=as_abstract(state), step=T)
+    assert step == T
+    _assert_trees_equal(_host(opt_state), saved_state)
+
+
+def test_round_trip_without_error_feedback_keeps_empty_state(mesh, tmp_path):
+    _, params, opt_state, step_fn = _fresh(mesh, error_feedback=False)
+    params, opt_state = _run(step_fn, params, opt_state, mesh, 0, 3)
+    assert isinstance(opt_state[0].residual, optax.EmptyState)
+    checkpoint.save(tmp_path, 3, params, opt_state)
+    _, like_params, like_state, _ = _fresh(mesh, error_feedback=False)
+    step, got_params, got_state = checkpoint.restore(
+        tmp_path, params_like=like_params, opt_state_like=like_state)
+    assert step == 3
+    assert isinstance(got_state[0], sr.SkipReduceState)
+    assert isinstance(got_state[0].residual, optax.EmptyState)
+    assert isinstance(got_state[1][1], optax.EmptyState)
+    _assert_trees_equal(_host(got_state), _host(opt_state))
+    _assert_trees_equal(_host(got_params), _host(params))
+
+
+@pytest.mark.parametrize("tx_kwargs", [dict(num_skip=3), dict(error_feedback=False)],
+                         ids=["num_skip", "error_feedback"])
+def test_restore_refuses_other_settings(mesh, uninterrupted, tx_kwargs):
+    directory = uninterrupted[0]
+    _, params, opt_state, _ = _fresh(mesh, **tx_kwargs)
+    with pytest.raises(ValueError, match=r"skip_reduce settings of checkpoint "
+                       r"step 4 \(fingerprint 0x[0-9a-f]{8} at opt_state\[0\]\) "
+                       r"differ"):
+        checkpoint.restore(directory, params_like=params, opt_state_like=opt_state)
+
+
+def test_restore_refuses_another_number_of_ranks(uninterrupted):
+    directory = uninterrupted[0]
+    small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    tx = _make_tx()
+    params = sr.replicate(_init_params(0), small)
+    opt_state = sr.init_opt_state(tx, params, small, "data")
+    with pytest.raises(ValueError, match=r"residuals for 8 ranks .* for 4"):
+        checkpoint.restore(directory, params_like=params, opt_state_like=opt_state)
+
+
+def test_bad_calls(mesh, uninterrupted, tmp_path):
+    directory = uninterrupted[0]
+    _, params, opt_state, _ = _fresh(mesh)
+    with pytest.raises(ValueError, match=r"step 4 was not saved.*steps must "
+                       "increase"):
+        checkpoint.save(directory, T, params, opt_state)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step 5"):
+        checkpoint.restore(directory, params_like=params,
+                           opt_state_like=opt_state, step=5)
+    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+        checkpoint.restore(tmp_path / "missing", params_like=params,
+                           opt_state_like=opt_state)
+    with pytest.raises(TypeError, match=r"params_like\['b'\] has no sharding"):
+        checkpoint.restore(directory, params_like=_host(params),
+                           opt_state_like=opt_state)
+
+
+@pytest.mark.slow
+def test_resume_across_two_processes(tmp_path):
+    """Train, stop, resume in new processes: bit-identical (2 x 2 devices)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SKIPREDUCE_") and k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+                                                      env.get("PYTHONPATH")]))
+    env["JAX_PLATFORMS"] = "cpu"
+    directory = str(tmp_path / "ckpt")
+    for mode in ("train", "resume"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "skipreduce_jax.launch", "-n", "2", "-d", "2",
+             "--timeout", "150", str(RESUME_SCRIPT), directory, mode],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        for p in range(2):
+            assert f"[p{p}] RESULT {mode} ok" in proc.stdout, proc.stdout
+    assert checkpoint.latest_step(directory) == 2 * RESUME_SCRIPT_T
