@@ -51,7 +51,7 @@ class CollectiveOp:
     Attributes:
       kind: e.g. ``"collective-permute"`` or ``"all-gather"``.
       dtype: the HLO element type, e.g. ``"f32"``.
-      shape: the shape of the data moved (operand, or result for all-gather).
+      shape: the op's result shape.
       group_size: devices in the op's replica group (2 for a permute).
       count: how many times it runs per call (while-loop trip counts
         multiplied; every branch of a conditional is counted, an upper bound).
@@ -111,12 +111,13 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return computations, entry
 
 
-def _first_array(shape_text: str) -> tuple[str, tuple[int, ...]]:
-    match = _ARRAY.search(shape_text)
-    if match is None:
-        return "", ()
-    dims = tuple(int(d) for d in match.group(2).split(",") if d)
-    return match.group(1), dims
+def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    arrays = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if shape:  # skip the scalar context words of async ops
+            arrays.append((dtype, shape))
+    return arrays
 
 
 def _group_size(line: str, kind: str) -> int:
@@ -131,18 +132,21 @@ def _group_size(line: str, kind: str) -> int:
     return 1
 
 
-def _op(kind: str, line: str, result: str, operands: str, count: int):
-    # Permute, reduce-scatter, all-reduce and all-to-all: the operand moves;
-    # all-gather: its result. Async "-start" ops have tuple results.
-    dtype, shape = _first_array(result if kind == "all-gather" else operands)
-    if not shape and kind != "all-gather":
-        dtype, shape = _first_array(result)
+def _op(kind: str, line: str, result: str, count: int):
+    # Compiled HLO prints operands without shapes, so everything is derived
+    # from the result: the last array of an async "-start" tuple is the
+    # output, the first the input.
+    arrays = _arrays(result) or [("", ())]
+    dtype, shape = arrays[-1] if kind in ("all-gather", "reduce-scatter") \
+        else arrays[0]
     group = _group_size(line, kind)
     nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
     if kind == "collective-permute":
         sent = nbytes
     elif kind == "all-reduce":
         sent = 2 * nbytes * (group - 1) / group
+    elif kind == "reduce-scatter":  # the result is 1/g of what is reduced
+        sent = nbytes * (group - 1)
     else:
         sent = nbytes * (group - 1) / group
     return CollectiveOp(kind, dtype, shape, group, count, sent * count)
@@ -174,10 +178,10 @@ def collective_traffic(compiled_text: str) -> Traffic:
             match = _INSTR.match(line)
             if match is None:
                 continue
-            result, opcode, operands = match.groups()
+            result, opcode, _ = match.groups()
             kind = opcode.removesuffix("-start")
             if kind in _KINDS and not opcode.endswith("-done"):
-                ops.append(_op(kind, line, result, operands, multiplier))
+                ops.append(_op(kind, line, result, multiplier))
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1

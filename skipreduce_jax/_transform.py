@@ -501,7 +501,8 @@ def comm_stats(
     n = axis_size
     k = config.resolve_num_skip(n)
     leaves = jax.tree_util.tree_leaves(grads)
-    skippable = config.skippable(grads, params)
+    # With k = 0 every leaf takes the plain pmean, as in update().
+    skippable = [s and k > 0 for s in config.skippable(grads, params)]
     sizes = [math.prod(np.shape(x)) for x in leaves]
     full_bytes = sum(s * np.dtype(x.dtype).itemsize
                      for s, x in zip(sizes, leaves)) / inner

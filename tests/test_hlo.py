@@ -63,6 +63,14 @@ def test_bfloat16_accumulated_in_float32_sends_float32_then_bfloat16():
     assert t.bytes_per_device("all-gather") == (n - 1) * size // n * 2
 
 
+def test_native_collectives_are_counted_by_their_formulas():
+    n, size = 4, 4096
+    rs = _traffic(lambda v: lax.psum_scatter(v, "i", tiled=True), n, size)
+    ag = _traffic(lambda v: lax.all_gather(v, "i", tiled=True)[:size], n, size)
+    assert rs.bytes_per_device("reduce-scatter") == (n - 1) / n * size * 4
+    assert ag.bytes_per_device("all-gather") == (n - 1) * size * 4
+
+
 def test_parser_rejects_non_program():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         sr.collective_traffic("not hlo")

@@ -226,6 +226,9 @@ def test_comm_stats():
     none = sr.comm_stats(grads, 8, num_skip=4, selective={"big": False,
                                                           "small": True})
     assert none.ratio == 1.0 and none.dropped_fraction == 0.0
+    # k = 0 runs the plain pmean on unpadded leaves: exactly a full ring.
+    zero = sr.comm_stats({"w": jnp.zeros(1001)}, 8, num_skip=0, min_size=0)
+    assert zero.ratio == 1.0 and zero.skipped_elements == 0
 
 
 class _MLP(nn.Module):

@@ -1,0 +1,345 @@
+"""SkipReduce across processes, started with ``python -m skipreduce_jax.launch``.
+
+The jobs run the scripts of ``tests/mp_scripts`` (and
+``examples/multihost_train.py``) on CPU devices, as 2 processes x 2 devices
+and 4 processes x 1 device. Each check script asserts inside and prints a
+``RESULT`` line per process with digests of what it computed; the tests
+compare them across processes and with the same computation done here, in
+one process (``_mp_common`` holds what both sides share). Every job is also
+checked to leave no process behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from skipreduce_jax import distributed
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
+CHECKS = SCRIPTS / "skip_checks.py"
+FAULTS = SCRIPTS / "skip_faults.py"
+EXAMPLE = REPO / "examples" / "multihost_train.py"
+LAYOUTS = [(2, 2), (4, 1)]
+LAYOUT_IDS = ["2x2", "4x1"]
+
+_spec = importlib.util.spec_from_file_location("_mp_common", SCRIPTS / "_mp_common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+pytestmark = pytest.mark.slow
+
+
+# --------------------------------------------------------------------------
+# Running jobs.
+
+
+def _env() -> dict[str, str]:
+    """The environment for launched jobs: this one, without launcher leftovers."""
+    drop = (
+        distributed.ENV_COORDINATOR,
+        distributed.ENV_NUM_PROCESSES,
+        distributed.ENV_PROCESS_ID,
+        distributed.ENV_LOCAL_DEVICES,
+        distributed.ENV_GLOO_INTERFACE,
+        distributed.ENV_LAUNCHER_PID,
+        "XLA_FLAGS",  # conftest's 8 devices are for this process only
+    )
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _launch(
+    processes: int, devices: int, script: Path, *args: str, timeout: float = 150.0
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` under the launcher; ``--timeout`` a little below ours."""
+    return subprocess.run(
+        [sys.executable, "-m", "skipreduce_jax.launch", "-n", str(processes), "-d",
+         str(devices), "--timeout", str(timeout - 10), str(script), *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _results(stdout: str) -> dict[int, dict[str, str]]:
+    """The ``RESULT key=value ...`` line of each process."""
+    results = {}
+    for match in re.finditer(r"^\[p(\d+)\] RESULT (.*)$", stdout, re.M):
+        results[int(match.group(1))] = dict(kv.split("=", 1) for kv in match.group(2).split())
+    return results
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie counts as dead); psutil, else /proc."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_all_dead(pids: list[int], within: float = 5.0) -> None:
+    """Asserts that no process of ``pids`` runs (and kills any that does)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # do not leave them behind even when failing
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes still running after the job ended: {left}"
+
+
+def _pids(pid_dir: Path, count: int) -> list[int]:
+    files = sorted(pid_dir.glob("p*.pids"))
+    assert len(files) == count, files
+    return [int(f.read_text()) for f in files]
+
+
+def _output(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+# --------------------------------------------------------------------------
+# The checks job, once per layout, and the same computations in this process.
+
+
+@pytest.fixture(scope="module")
+def checks_job():
+    """Runs ``skip_checks.py`` once per layout; returns ``run(P, D)``."""
+    runs: dict[tuple[int, int], Any] = {}
+
+    def run(processes: int, devices: int):
+        if (processes, devices) not in runs:
+            proc = _launch(processes, devices, CHECKS, str(processes), str(devices))
+            results = _results(proc.stdout)
+            _assert_all_dead([int(r["pid"]) for r in results.values()])
+            runs[processes, devices] = proc, results
+        proc, results = runs[processes, devices]
+        assert proc.returncode == 0, _output(proc)
+        assert sorted(results) == list(range(processes)), _output(proc)
+        return results
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """What the checks compute, done on 4 devices of this one process."""
+    devices = jax.devices()[:4]
+    mesh = Mesh(np.array(devices), ("data",))
+    x = jax.device_put(common.bit_values(4), NamedSharding(mesh, P("data")))
+    sums, _ = common.bit_sums(mesh, x)
+    params, _, losses = common.train(
+        mesh, "data", common.make_tx(),
+        lambda t: sr.shard_batch(common.global_batch(t, 4), mesh))
+
+    axes = ("host", "local")
+    hmesh = Mesh(np.array(devices).reshape(2, 2), axes)
+    hx = jax.device_put(common.bit_values(4).reshape(2, 2, -1), NamedSharding(hmesh, P(*axes)))
+    hsums, _ = common.hier_sums(hmesh, hx)
+    return {
+        "bits": common.digest(np.asarray(sums)[0].astype(np.int64)),
+        "params": common.digest(common.local_copy(params)),
+        "losses": losses,
+        "hier_bits": common.digest(np.asarray(hsums)[0, 0].astype(np.int64)),
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_contributor_bits_across_processes(checks_job, reference, layout) -> None:
+    """skip_psum over all devices of all processes: exactly N - k bits each.
+
+    The script asserts, for every k in [0, N - 1] and both static and random
+    SkipReduce, on each of its devices: N - k bits per element, the mask of
+    ``contribution_mask`` equal to the device's bit, and (by all-gathering
+    the result over processes) the same result everywhere. Here: all
+    processes report the same digest, and it is the one the same program
+    gives in one process (the schedule does not depend on the layout).
+    """
+    results = checks_job(*layout)
+    assert {r["bits"] for r in results.values()} == {reference["bits"]}, results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_training_keeps_replicas_bit_identical(checks_job, reference, layout) -> None:
+    """A few skip_reduce + Adam steps, each process passing only its own rows.
+
+    The script asserts ``assert_replicated`` of params and optimizer state,
+    that every shard of the batch holds the right rows, that the loss went
+    down, and that the params are equal across processes. Here: the params
+    digest is the same in every process and bit-identical to that of the
+    same training in one process; the losses agree too (they are averaged
+    with a native all-reduce, whose order of additions may differ between
+    gloo and the in-process one, hence the tolerance).
+    """
+    results = checks_job(*layout)
+    assert {r["params"] for r in results.values()} == {reference["params"]}, results
+    assert len({r["losses"] for r in results.values()}) == 1, results
+    losses = [float(v) for v in results[0]["losses"].split(",")]
+    np.testing.assert_allclose(losses, reference["losses"], rtol=1e-6)
+
+
+def test_hierarchical_outer_axis_is_the_processes(checks_job, reference) -> None:
+    """Hierarchical SkipReduce on 2 processes x 2 devices: host = process.
+
+    The script builds the ``("host", "local")`` mesh with one process per
+    row and asserts whole hosts summed or dropped (each element sums all 2
+    devices of each of the 2 - k hosts kept), the mask, and identity across
+    processes. Here: the digests agree with the in-process mesh, and the
+    outer axis traffic read from the HLO is the SkipReduce formula
+    ``(2 (H - 1) - k) / H`` of the 1/L shard (4096 float32 over L = 2).
+    """
+    results = checks_job(2, 2)
+    hosts, shard_bytes = 2, 4096 * 4 / 2
+    traffic = ",".join(
+        f"{k}:{(2 * (hosts - 1) - k) / hosts * shard_bytes:g}" for k in range(hosts)
+    )
+    for result in results.values():
+        assert result["hier_bits"] == reference["hier_bits"], results
+        assert result["traffic"] == traffic, results
+
+
+# --------------------------------------------------------------------------
+# Faults.
+
+
+def test_killed_process_ends_the_job(tmp_path: Path) -> None:
+    """Process 1 is SIGKILLed after 2 steps while process 0 keeps stepping."""
+    proc = _launch(2, 2, FAULTS, "kill", str(tmp_path), timeout=120)
+    ended = time.time()
+    _assert_all_dead(_pids(tmp_path, 2))
+    since_kill = ended - float((tmp_path / "killed_at").read_text())
+    print(f"killed process noticed and job ended {since_kill:.1f} s after the kill")
+    assert proc.returncode == 128 + signal.SIGKILL, _output(proc)
+    assert "process 1 ([p1]" in proc.stderr, _output(proc)
+    assert "killed by SIGKILL" in proc.stderr, _output(proc)
+    assert "ending the 1 other running process(es)" in proc.stderr, _output(proc)
+    # Both trained until the kill; process 0 never finished a step without 1.
+    assert "[p0] STEP 1 " in proc.stdout and "[p1] STEP 1 " in proc.stdout, _output(proc)
+    assert "[p0] STEP 2 " not in proc.stdout, _output(proc)
+    # The launcher notices at once; ending the others takes its SIGTERM grace.
+    assert since_kill < 30, since_kill
+
+
+def test_killed_process_noticed_without_launcher(tmp_path: Path) -> None:
+    """Without the launcher (as on separate hosts) process 0 fails by itself.
+
+    The two processes get the launcher's environment but are started here,
+    so that nobody ends process 0 for it: it must exit non-zero by itself
+    with a clear message, within the heartbeat timeout of
+    ``LAUNCHER_DEFAULTS`` plus a margin. Which mechanism fires first depends
+    on where process 0 waits: a gloo collective whose TCP peer went away
+    fails at once ("Connection closed/reset by peer"); otherwise the
+    coordination service declares process 1 dead when its heartbeats stop
+    (and aborts process 0).
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    try:
+        for rank in range(2):
+            env = _env()
+            env.update({
+                distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                distributed.ENV_NUM_PROCESSES: "2",
+                distributed.ENV_PROCESS_ID: str(rank),
+                distributed.ENV_LOCAL_DEVICES: "1",
+                "PYTHONUNBUFFERED": "1",
+            })
+            procs.append(subprocess.Popen(
+                [sys.executable, str(FAULTS), "kill", str(tmp_path)], cwd=REPO, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))
+        heartbeat = distributed.LAUNCHER_DEFAULTS["heartbeat_timeout_seconds"]
+        out0, _ = procs[0].communicate(timeout=heartbeat + 90)
+        ended = time.time()
+        procs[1].communicate(timeout=10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    _assert_all_dead(_pids(tmp_path, 2))
+    since_kill = ended - float((tmp_path / "killed_at").read_text())
+    why = re.search(r"Connection (closed|reset) by peer|stopped sending heartbeats", out0)
+    print(f"process 0 ended by itself {since_kill:.1f} s after the kill (heartbeat "
+          f"timeout {heartbeat} s), exit {procs[0].returncode}: {why and why.group(0)}")
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0, out0
+    assert "STEP 1 " in out0 and "STEP 2 " not in out0, out0
+    assert why, out0
+    assert since_kill < heartbeat + 30, since_kill
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("num_skip", "skip_reduce settings (num_skip/skip_ratio"),
+        ("seed", "skip_reduce seed differs between devices or processes"),
+    ],
+)
+def test_mismatched_configuration_refused_at_start(tmp_path: Path, mode: str, message: str) -> None:
+    """Process 1 builds skip_reduce differently: init_opt_state refuses it."""
+    proc = _launch(2, 2, FAULTS, mode, str(tmp_path), timeout=120)
+    _assert_all_dead(_pids(tmp_path, 2))
+    assert proc.returncode == 1, _output(proc)
+    assert re.search(rf"^\[p\d\] ValueError: {re.escape(message)}", proc.stdout, re.M), (
+        _output(proc)
+    )
+    assert "exited with code 1" in proc.stderr, _output(proc)
+    assert "TRAINING" not in proc.stdout and "STEP" not in proc.stdout, _output(proc)
+
+
+# --------------------------------------------------------------------------
+# The example.
+
+
+def test_multihost_train_example() -> None:
+    """examples/multihost_train.py on 2 processes x 2 devices, a few steps."""
+    proc = _launch(2, 2, EXAMPLE, "--steps", "4", "--log-every", "1", timeout=150)
+    assert proc.returncode == 0, _output(proc)
+    out = proc.stdout
+    assert "[p0] 2 process(es) x 2 device(s) = 4 data-parallel ranks" in out, out
+    losses = re.findall(r"^\[p(\d)\] \[random 50%\] step +(\d+) +loss (\S+)$", out, re.M)
+    assert [(p, int(t)) for p, t, _ in losses] == [("0", t) for t in range(1, 5)], out
+    assert all(np.isfinite(float(v)) for _, _, v in losses)
+    digests = dict(re.findall(r"^\[p\d\] process (\d): \[random 50%\] params sha256 (\w+)$",
+                              out, re.M))
+    assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1, out
+    assert "[p0] [random 50%] params replicated on all 4 devices of 2 process(es): OK" in out
+    assert re.search(r"^\[p0\] final test accuracy \(random 50%\): 0\.\d{4}$", out, re.M), out
+    assert re.search(r"^\[p0\] bytes per device per step: [\d,]+ \(full all-reduce [\d,]+;",
+                     out, re.M), out
+    assert not re.search(r"^\[p1\] .*(loss|accuracy|bytes)", out, re.M), out
