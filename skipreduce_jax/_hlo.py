@@ -51,7 +51,7 @@ class CollectiveOp:
     Attributes:
       kind: e.g. ``"collective-permute"`` or ``"all-gather"``.
       dtype: the HLO element type, e.g. ``"f32"``.
-      shape: the op's result shape.
+      shape: the op's (first) result shape.
       group_size: devices in the op's replica group (2 for a permute).
       count: how many times it runs per call (while-loop trip counts
         multiplied; every branch of a conditional is counted, an upper bound).
@@ -132,15 +132,17 @@ def _group_size(line: str, kind: str) -> int:
     return 1
 
 
-def _op(kind: str, line: str, result: str, count: int):
+def _op(kind: str, line: str, result: str, asynchronous: bool, count: int):
     # Compiled HLO prints operands without shapes, so everything is derived
-    # from the result: the last array of an async "-start" tuple is the
-    # output, the first the input.
+    # from the result. An async "-start" op returns (inputs..., outputs...);
+    # a combined synchronous op (several pmeans merged) returns a tuple of
+    # outputs, all of which move.
     arrays = _arrays(result) or [("", ())]
-    dtype, shape = arrays[-1] if kind in ("all-gather", "reduce-scatter") \
-        else arrays[0]
+    if asynchronous:
+        arrays = arrays[len(arrays) // 2:]
     group = _group_size(line, kind)
-    nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
+    nbytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
+                 for dtype, shape in arrays)
     if kind == "collective-permute":
         sent = nbytes
     elif kind == "all-reduce":
@@ -149,6 +151,7 @@ def _op(kind: str, line: str, result: str, count: int):
         sent = nbytes * (group - 1)
     else:
         sent = nbytes * (group - 1) / group
+    dtype, shape = arrays[0]
     return CollectiveOp(kind, dtype, shape, group, count, sent * count)
 
 
@@ -181,7 +184,8 @@ def collective_traffic(compiled_text: str) -> Traffic:
             result, opcode, _ = match.groups()
             kind = opcode.removesuffix("-start")
             if kind in _KINDS and not opcode.endswith("-done"):
-                ops.append(_op(kind, line, result, multiplier))
+                ops.append(_op(kind, line, result, opcode.endswith("-start"),
+                               multiplier))
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1

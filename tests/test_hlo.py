@@ -11,12 +11,16 @@ import skipreduce_jax as sr
 from helpers import line_mesh
 
 
-def _traffic(fn, n, size, dtype=jnp.float32):
+def _compiled_text(fn, n, size, dtype=jnp.float32):
     mesh = line_mesh(n)
     x = jax.ShapeDtypeStruct((n * size,), dtype,
                              sharding=NamedSharding(mesh, P("i")))
     f = jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    return sr.collective_traffic(jax.jit(f).lower(x).compile().as_text())
+    return jax.jit(f).lower(x).compile().as_text()
+
+
+def _traffic(fn, n, size, dtype=jnp.float32):
+    return sr.collective_traffic(_compiled_text(fn, n, size, dtype))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -69,6 +73,16 @@ def test_native_collectives_are_counted_by_their_formulas():
     ag = _traffic(lambda v: lax.all_gather(v, "i", tiled=True)[:size], n, size)
     assert rs.bytes_per_device("reduce-scatter") == (n - 1) / n * size * 4
     assert ag.bytes_per_device("all-gather") == (n - 1) * size * 4
+
+
+def test_combined_all_reduce_counts_every_output():
+    n = 4
+    text = _compiled_text(
+        lambda v: (lax.pmean(v[:40], "i"), lax.pmean(v.reshape(-1, 4), "i")),
+        n, 2000)
+    traffic = sr.collective_traffic(text)
+    assert traffic.bytes_per_device("all-reduce") == pytest.approx(
+        2 * (n - 1) / n * (40 + 2000) * 4)
 
 
 def test_parser_rejects_non_program():
