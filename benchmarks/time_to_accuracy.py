@@ -1,0 +1,578 @@
+"""Time to accuracy: SkipReduce against top-k and PowerSGD on a wide MLP.
+
+A communication-bound workload: an MLP on scikit-learn's digits (64 inputs,
+10 classes) with wide hidden layers (2 x 2048 by default: 4.3 M parameters,
+17 MB of float32 gradients) and a small per-rank batch, so each step does
+little arithmetic per gradient byte. One model (same initialization, same
+batches) is trained for ``--time-budget`` seconds of training time by each
+gradient reduction:
+
+* ``all-reduce``: the baseline, ``skip_reduce(num_skip=0)`` (exactly
+  ``lax.pmean``);
+* ``random``: Random SkipReduce, ``--skip-ratio`` (50%) of the N - 1
+  reduce-scatter steps skipped;
+* ``selective``: the same, with the first layer and every leaf under 100k
+  elements fully reduced;
+* ``random+ef``: Random SkipReduce with error feedback;
+* ``topk``: top-k sparsification (``--density``, 1%) with error memory;
+* ``powersgd``: rank-``--rank`` (4) PowerSGD with error feedback, after
+  ``--powersgd-warmup`` steps of plain all-reduce.
+
+The test accuracy is measured every ``--eval-every`` seconds of training
+time. The training clock stops during evaluations, and every step function
+is compiled and run twice before its clock starts. The script reports, per
+variant, the time to reach the baseline's final accuracy, the final and best
+accuracy, and the bytes each device sends per step, twice: from the compiled
+program (``skipreduce_jax.collective_traffic``, the ring formulas applied to
+every collective of the jitted step, minus the step's own 8-byte loss/clock
+all-reduce; PowerSGD's is compiled without warm-up so that only the
+compressed path is counted) and from the formulas
+(``skipreduce_jax.comm_stats``, ``baselines.topk_comm_bytes``,
+``baselines.powersgd_comm_bytes``). Process 0 prints the table and writes
+``<name>.json`` and ``<name>.png`` (accuracy against training time) to
+``--out``.
+
+Two modes:
+
+* In one process (``python benchmarks/time_to_accuracy.py``): ``--devices``
+  (8) simulated CPU devices share this machine's cores and memory, so the
+  "network" is a memory copy and compute dominates the step time: the
+  ranking measures the reductions' computational overhead (ring steps,
+  top-k selection, QR), not their bandwidth savings.
+* One process per host (the network is real, or emulated slow): every
+  process calls :func:`skipreduce_jax.initialize` first and takes its
+  settings from the ``SKIPREDUCE_*`` environment variables of
+  ``python -m skipreduce_jax.launch`` or another runner, for example::
+
+      python -m skipreduce_jax.launch -n 4 benchmarks/time_to_accuracy.py \\
+          --time-budget 60
+
+  Every process runs the same arguments and the same steps; when to
+  evaluate and when to stop is decided from the training clock averaged over
+  the processes (it rides in the step's loss all-reduce), so all processes
+  agree without an extra collective. Every process evaluates on its own
+  replica (so that none waits for another), and only process 0 prints and
+  writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+from skipreduce_jax import distributed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
+from benchmarks import baselines as bl  # noqa: E402
+
+AXIS = "data"
+NUM_CLASSES = 10
+#: The order variants run in (``all-reduce`` first: its final accuracy is the
+#: target of the others).
+ALL_VARIANTS = ("all-reduce", "random", "selective", "random+ef", "topk",
+                "powersgd")
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_STATS_BYTES = 8  # the step's float32 [loss, clock] all-reduce
+
+
+class MLP(nn.Module):
+    """ReLU hidden layers, then class logits.
+
+    Attributes:
+      hidden: the width of each hidden layer.
+      classes: the number of logits.
+    """
+
+    hidden: Sequence[int] = (2048, 2048)
+    classes: int = NUM_CLASSES
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.classes)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The digits, split 75/25 (stratified).
+
+    Attributes:
+      x_train: float32 [n_train, 64] in [0, 1].
+      y_train: int32 [n_train].
+      x_test: float32 [n_test, 64].
+      y_test: int32 [n_test].
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load_data(seed: int) -> Data:
+    """Loads scikit-learn's bundled digits (no download) and splits them."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.25, random_state=seed, stratify=y)
+    return Data(x_train, y_train, x_test, y_test)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of averaging the gradients.
+
+    Attributes:
+      name: the label.
+      make: ``() -> optax transform`` (local gradients in, mean out).
+      formula_bytes: ``(param shapes, N) -> bytes per device per step``.
+      accounting: ``() -> transform`` whose compiled step is read for the
+        bytes (``make`` unless its warm-up branch should not be counted).
+    """
+
+    name: str
+    make: Callable[[], optax.GradientTransformation]
+    formula_bytes: Callable[[Any, int], float]
+    accounting: Callable[[], optax.GradientTransformation]
+
+
+def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
+    """Every variant, by name, with the settings of the command line."""
+
+    def skip(**kw: Any) -> tuple[Callable, Callable, Callable]:
+        if args.bucket_bytes is not None:
+            kw["bucket_bytes"] = args.bucket_bytes
+        make = lambda: sr.skip_reduce(AXIS, seed=args.seed, **kw)  # noqa: E731
+        formula = lambda shapes, n: sr.comm_stats(  # noqa: E731
+            shapes, n, **kw).bytes_per_device
+        return make, formula, make
+
+    ratio = args.skip_ratio
+    topk_kw = dict(density=args.density)
+    psgd_kw = dict(rank=args.rank, warmup_steps=args.powersgd_warmup,
+                   seed=args.seed)
+    topk_make = lambda: bl.topk_reduce(AXIS, **topk_kw)  # noqa: E731
+    specs = {
+        "all-reduce": skip(num_skip=0, min_size=0),
+        "random": skip(skip_ratio=ratio, min_size=0),
+        "selective": skip(skip_ratio=ratio, selective=sr.exclude("Dense_0")),
+        "random+ef": skip(skip_ratio=ratio, min_size=0, error_feedback=True),
+        "topk": (topk_make,
+                 lambda shapes, n: bl.topk_comm_bytes(shapes, n, **topk_kw),
+                 topk_make),
+        "powersgd": (
+            lambda: bl.powersgd_reduce(AXIS, **psgd_kw),
+            lambda shapes, n: bl.powersgd_comm_bytes(shapes, n, **psgd_kw),
+            lambda: bl.powersgd_reduce(AXIS, **{**psgd_kw, "warmup_steps": 0})),
+    }
+    return {name: Variant(name, *spec) for name, spec in specs.items()}
+
+
+# ----------------------------------------------------------------------------
+# Devices, arrays, the step.
+# ----------------------------------------------------------------------------
+
+
+def start_runtime(devices: int) -> None:
+    """Joins the multi-process job if a runner started one; else asks for
+    ``devices`` simulated CPU devices. Call before any other JAX use."""
+    single = not (distributed.launcher_env_present()
+                  or os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if single and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", devices)
+    sr.initialize()
+
+
+def data_mesh() -> jax.sharding.Mesh:
+    """A 1-D mesh over every device of the job (the CPU devices if the
+    default platform has only one device)."""
+    devices = jax.devices()
+    if len(devices) == 1 and jax.process_count() == 1:
+        devices = jax.devices("cpu")
+    return jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+
+
+def global_array(host: np.ndarray, mesh: jax.sharding.Mesh,
+                 spec: P) -> jax.Array:
+    """A global array from a host array every process holds in full."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+
+
+def replicated_copy(tree: Any, device: Any) -> Any:
+    """This process's copy (on ``device``) of replicated arrays."""
+    return jax.tree_util.tree_map(
+        lambda a: next(s.data for s in a.addressable_shards
+                       if s.device == device), tree)
+
+
+def make_step(loss_fn: Callable[[Any, Any], jax.Array],
+              tx: optax.GradientTransformation,
+              mesh: jax.sharding.Mesh) -> Callable:
+    """The jitted step ``(params, state, batch, clock) -> (params, state,
+    stats)``.
+
+    ``clock`` is float32 [N], each rank holding its process's training time;
+    ``stats`` is float32 [2]: the mean loss and the mean clock over the
+    ranks, one all-reduce, identical everywhere.
+    """
+
+    def local_step(params, opt_state, batch, clock):
+        loss, grads = sr.local_value_and_grad(loss_fn, AXIS)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        stats = lax.pmean(jnp.stack([loss, clock[0]]), AXIS)
+        return optax.apply_updates(params, updates), opt_state, stats
+
+    def step(params, opt_state, batch, clock):
+        specs = bl.baseline_state_specs(opt_state, AXIS)
+        sharded = jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+            out_specs=(P(), specs, P()), check_vma=True)
+        return sharded(params, opt_state, batch, clock)
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def cross_entropy(model: nn.Module, params: Any,
+                  batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Mean softmax cross-entropy on ``(images, labels)``."""
+    logits = model.apply(params, batch[0])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[1]).mean()
+
+
+class Trainer:
+    """Shared by all variants: the model, data, batches and evaluation."""
+
+    def __init__(self, args: argparse.Namespace, mesh: jax.sharding.Mesh):
+        self.args = args
+        self.mesh = mesh
+        self.n = mesh.shape[AXIS]
+        self.data = load_data(args.seed)
+        self.model = MLP(tuple([args.hidden] * args.layers))
+        params = self.model.init(jax.random.key(args.seed),
+                                 self.data.x_train[:1])
+        self.params0 = jax.tree_util.tree_map(np.asarray, params)
+        self.shapes = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params0)
+        self.loss_fn = lambda p, b: cross_entropy(self.model, p, b)
+        self.eval_device = next(d for d in mesh.devices.flat
+                                if d.process_index == jax.process_index())
+        self.x_test = jax.device_put(self.data.x_test, self.eval_device)
+        self.y_test = jax.device_put(self.data.y_test, self.eval_device)
+        model = self.model
+
+        @jax.jit
+        def metrics(params, x, y):
+            logits = model.apply(params, x)
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits, y).mean()
+            return jnp.mean(jnp.argmax(logits, -1) == y), loss
+
+        self._metrics = metrics
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree_util.tree_leaves(self.params0))
+
+    def batch(self, t: int) -> tuple[jax.Array, jax.Array]:
+        """Step t's global batch (rank r's rows are ``[r*B, (r+1)*B)``),
+        the same for every variant and process."""
+        rng = np.random.default_rng((self.args.seed, t))
+        idx = rng.integers(0, len(self.data.y_train),
+                           size=self.n * self.args.batch_per_rank)
+        return (global_array(self.data.x_train[idx], self.mesh, P(AXIS)),
+                global_array(self.data.y_train[idx], self.mesh, P(AXIS)))
+
+    def clock(self, seconds: float) -> jax.Array:
+        """This process's training time, one entry per rank."""
+        return global_array(np.full(self.n, seconds, np.float32), self.mesh,
+                            P(AXIS))
+
+    def fresh(self, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+        """The initial params and optimizer state, placed on the mesh."""
+        params = sr.replicate(self.params0, self.mesh)
+        return params, bl.init_state(tx, params, self.mesh, AXIS)
+
+    def evaluate(self, params: Any) -> tuple[float, float]:
+        """Test accuracy and loss of this process's replica."""
+        acc, loss = self._metrics(replicated_copy(params, self.eval_device),
+                                  self.x_test, self.y_test)
+        return float(acc), float(loss)
+
+    def compiled_step(self, tx: optax.GradientTransformation) -> Any:
+        """The step for ``tx``, compiled ahead of time."""
+        params, state = self.fresh(tx)
+        step = make_step(self.loss_fn, tx, self.mesh)
+        return step.lower(params, state, self.batch(0),
+                          self.clock(0.0)).compile()
+
+    def hlo_bytes(self, compiled: Any) -> float:
+        """Bytes per device per step of the reduction, from the program."""
+        stats = 2 * (self.n - 1) / self.n * _STATS_BYTES
+        return bl.compiled_comm_bytes(compiled.as_text()) - stats
+
+
+def run_variant(trainer: Trainer, variant: Variant,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Trains with one variant for the time budget; returns its record."""
+    args = trainer.args
+    tx = optax.chain(variant.make(), optax.adam(args.lr))
+    start = time.perf_counter()
+    compiled = trainer.compiled_step(tx)
+    compile_s = time.perf_counter() - start
+    accounting = compiled if variant.accounting is variant.make else \
+        trainer.compiled_step(optax.chain(variant.accounting(),
+                                          optax.adam(args.lr)))
+    hlo_bytes = trainer.hlo_bytes(accounting)
+
+    # Warm up (caches, allocations, the evaluation's compilation), then start
+    # again from the initial state.
+    params, state = trainer.fresh(tx)
+    for t in range(2):
+        params, state, stats = compiled(params, state, trainer.batch(t),
+                                        trainer.clock(0.0))
+    jax.block_until_ready((params, state, stats))
+    trainer.evaluate(params)
+    params, state = trainer.fresh(tx)
+
+    history: dict[str, list[float]] = dict(time=[], step=[], acc=[], loss=[],
+                                           train_loss=[])
+
+    def record(seconds: float, step: int, train_loss: float | None) -> None:
+        acc, loss = trainer.evaluate(params)
+        for key, value in zip(history, (seconds, step, acc, loss, train_loss)):
+            history[key].append(value)
+
+    record(0.0, 0, None)
+    train_time, last_step, t = 0.0, 0.0, 0
+    next_eval = args.eval_every
+    while True:
+        # Each process sends its clock as it will be after this step (if the
+        # step lasts as long as the last one); `shared`, their mean, is
+        # identical everywhere, so every process takes the same decisions.
+        batch = trainer.batch(t)
+        clock = trainer.clock(train_time + last_step)
+        start = time.perf_counter()
+        params, state, stats = compiled(params, state, batch, clock)
+        jax.block_until_ready((params, state))
+        loss, shared = np.asarray(stats.addressable_shards[0].data).tolist()
+        last_step = time.perf_counter() - start
+        train_time += last_step
+        t += 1
+        done = shared >= args.time_budget or t >= args.max_steps
+        if done or shared >= next_eval:
+            record(train_time, t, loss)
+            next_eval = (math.floor(shared / args.eval_every) + 1) * \
+                args.eval_every
+        if done:
+            break
+    log(f"  {variant.name:<10} {t:5d} steps in {train_time:6.1f} s "
+        f"(compiled in {compile_s:.1f} s): test acc {history['acc'][-1]:.3f}")
+    return dict(name=variant.name, steps=t, train_time=train_time,
+                step_ms=1e3 * train_time / t, compile_s=compile_s,
+                final_acc=history["acc"][-1], best_acc=max(history["acc"]),
+                final_loss=history["loss"][-1],
+                formula_bytes=variant.formula_bytes(trainer.shapes, trainer.n),
+                hlo_bytes=hlo_bytes, history=history)
+
+
+def time_to(history: dict[str, list[float]], target: float) -> float | None:
+    """The first evaluation time with accuracy >= ``target`` (None: never)."""
+    for seconds, acc in zip(history["time"], history["acc"]):
+        if acc >= target:
+            return seconds
+    return None
+
+
+def summarize(results: dict[str, dict[str, Any]],
+              tolerance: float) -> float | None:
+    """Adds ``time_to_target`` and byte ratios; returns the target."""
+    base = results.get("all-reduce")
+    target = None if base is None else base["final_acc"] - tolerance
+    for r in results.values():
+        r["time_to_target"] = None if target is None else time_to(r["history"],
+                                                                   target)
+        if base is not None:
+            r["bytes_ratio"] = r["formula_bytes"] / base["formula_bytes"]
+    return target
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """The printed table."""
+    headers = ("variant", "steps", "ms/step", "final acc", "best acc",
+               "t->target s", "bytes/step (formula)", "bytes/step (HLO)",
+               "vs all-reduce")
+    rows = []
+    for name, r in results.items():
+        reached = r.get("time_to_target")
+        rows.append((name, f"{r['steps']}", f"{r['step_ms']:.0f}",
+                     f"{r['final_acc']:.3f}", f"{r['best_acc']:.3f}",
+                     "-" if reached is None else f"{reached:.1f}",
+                     f"{r['formula_bytes']:,.0f}", f"{r['hlo_bytes']:,.0f}",
+                     f"{r.get('bytes_ratio', float('nan')):.3f}"))
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join([row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:])])
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] +
+                     [line(r) for r in cells[1:]])
+
+
+def plot(results: dict[str, dict[str, Any]], target: float | None,
+         path: pathlib.Path, title: str) -> None:
+    """Saves test accuracy against training time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        h = r["history"]
+        ax.plot(h["time"], h["acc"], marker=".", label=name)
+    if target is not None:
+        ax.axhline(target, color="gray", ls="--", lw=1,
+                   label=f"target {target:.3f}")
+    ax.set_xlabel("training time (s, evaluation and compilation excluded)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS),
+                   help="comma-separated, from: " + ", ".join(ALL_VARIANTS)
+                   + " (default: all)")
+    p.add_argument("--time-budget", type=float, default=60.0,
+                   help="training seconds per variant (default 60)")
+    p.add_argument("--eval-every", type=float, default=2.0,
+                   help="evaluate every this many training seconds")
+    p.add_argument("--max-steps", type=int, default=1_000_000,
+                   help="also stop after this many steps")
+    p.add_argument("--hidden", type=int, default=2048,
+                   help="width of each hidden layer (default 2048)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="number of hidden layers (default 2)")
+    p.add_argument("--batch-per-rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--skip-ratio", type=float, default=0.5)
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help="skip_reduce's bucket_bytes (default: the package's, "
+                   "25 MiB)")
+    p.add_argument("--density", type=float, default=0.01,
+                   help="top-k: fraction of each leaf sent")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
+    p.add_argument("--powersgd-warmup", type=int, default=10,
+                   help="PowerSGD: steps of plain all-reduce first")
+    p.add_argument("--tolerance", type=float, default=0.0,
+                   help="target = the baseline's final accuracy minus this")
+    p.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices when run as one process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path,
+                   default=ROOT / "benchmarks" / "results")
+    p.add_argument("--name", default="time_to_accuracy",
+                   help="base name of the JSON and PNG files")
+    args = p.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(ALL_VARIANTS))
+    if unknown or not names:
+        p.error(f"--variants: unknown {unknown}; choose from "
+                f"{', '.join(ALL_VARIANTS)}")
+    args.variants = [v for v in ALL_VARIANTS if v in names]
+    for name in ("time_budget", "eval_every"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark; returns the exit status."""
+    args = parse_args(argv)
+    start_runtime(args.devices)
+    lead = jax.process_index() == 0
+
+    def log(message: str) -> None:
+        if lead:
+            print(message, flush=True)
+
+    mesh = data_mesh()
+    trainer = Trainer(args, mesh)
+    n = trainer.n
+    platform = mesh.devices.flat[0].platform
+    mode = ("in-process" if jax.process_count() == 1 else
+            f"{jax.process_count()} processes")
+    widths = "-".join([str(args.hidden)] * args.layers)
+    log(f"{n} ranks ({mode}, {platform}), MLP 64-{widths}-10: "
+        f"{trainer.num_params:,} params, "
+        f"{4 * trainer.num_params / 2**20:.1f} MiB of float32 gradients; "
+        f"{args.batch_per_rank} samples/rank/step, {args.time_budget:g} s "
+        "per variant")
+    if jax.process_count() == 1:
+        log("one process: the ranks share this machine, compute (not the "
+            "network) dominates the step time")
+    variants = make_variants(args)
+    results = {name: run_variant(trainer, variants[name], log)
+               for name in args.variants}
+    target = summarize(results, args.tolerance)
+    if target is not None:
+        final = target + args.tolerance
+        log(f"\ntarget: the all-reduce's final accuracy {final:.3f}"
+            + (f" - {args.tolerance:g}" if args.tolerance else ""))
+    log(results_table(results))
+    if lead:
+        args.out.mkdir(parents=True, exist_ok=True)
+        config = {k: (str(v) if isinstance(v, pathlib.Path) else v)
+                  for k, v in vars(args).items()}
+        config.update(ranks=n, processes=jax.process_count(),
+                      platform=platform, params=trainer.num_params,
+                      target=target)
+        json_path = args.out / f"{args.name}.json"
+        png_path = args.out / f"{args.name}.png"
+        with open(json_path, "w") as f:
+            json.dump(dict(config=config, results=results), f, indent=1)
+        plot(results, target, png_path,
+             f"digits MLP ({trainer.num_params:,} params), {n} ranks, {mode}, "
+             f"{args.batch_per_rank} samples/rank/step")
+        log(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
