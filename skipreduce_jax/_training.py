@@ -121,10 +121,12 @@ def local_grad(
 def state_specs(opt_state: Any, axis_name: AxisNames) -> Any:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
-    Everything is replicated (``P()``) except the error-feedback residuals of
-    :class:`SkipReduceState`, which are per rank: stored outside
+    Everything is replicated (``P()``) except per-rank fields: stored outside
     ``shard_map`` with a leading dimension of size N (the data axis), each
-    rank's row on its own device (``P(axis_name)``).
+    rank's row on its own device (``P(axis_name)``). A per-rank field is one
+    named in the ``per_rank_fields`` class attribute of a NamedTuple state:
+    the error-feedback ``residual`` of :class:`SkipReduceState`, and any
+    state of your own transformation declared the same way.
 
     Args:
       opt_state: the state (or its ``jax.eval_shape``).
@@ -135,17 +137,23 @@ def state_specs(opt_state: Any, axis_name: AxisNames) -> Any:
       A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
     """
     axes = _as_tuple(axis_name)
-    residual_spec = P(axes[0] if len(axes) == 1 else axes)
+    per_rank_spec = P(axes[0] if len(axes) == 1 else axes)
 
     def spec(node):
         specs = jax.tree_util.tree_map(lambda _: P(), node)
-        if isinstance(node, SkipReduceState):
-            specs = specs._replace(residual=jax.tree_util.tree_map(
-                lambda _: residual_spec, node.residual))
+        for name in _per_rank_fields(node):
+            specs = specs._replace(**{name: jax.tree_util.tree_map(
+                lambda _: per_rank_spec, getattr(node, name))})
         return specs
 
     return jax.tree_util.tree_map(
-        spec, opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
+        spec, opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
+
+
+def _per_rank_fields(node: Any) -> tuple[str, ...]:
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return tuple(getattr(type(node), "per_rank_fields", ()))
+    return ()
 
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -54,6 +54,9 @@ class SkipReduceState(NamedTuple):
     fingerprint: jax.Array
     residual: Any
 
+    # Placed per rank by skipreduce_jax.state_specs.
+    per_rank_fields = ("residual",)
+
 
 class PathSelector:
     """Selects leaves by their tree path: ``predicate(path, leaf) -> bool``.
