@@ -17,6 +17,10 @@ varying first, so autodiff does not sum the gradients over the data axis:
 ``skip_reduce`` is then the only reduction. Error-feedback residuals are the
 one part of the state that differs per rank; :func:`state_specs` gives them a
 leading data-axis dimension outside ``shard_map``.
+
+On simulated CPU devices (``--xla_force_host_platform_device_count``), read
+a result (e.g. ``float(loss)``) at least every few dozen steps: with too many
+steps queued, XLA's in-process collectives time out waiting for each other.
 """
 
 from __future__ import annotations
