@@ -8,8 +8,8 @@ every rank::
 
     tx = optax.chain(topk_reduce("data", density=0.01), optax.adam(1e-3))
     tx = optax.chain(powersgd_reduce("data", rank=4), optax.adam(1e-3))
-    opt_state = init_state(tx, params, mesh, "data")
-    step = make_train_step(loss_fn, tx, mesh, "data")
+    opt_state = skipreduce_jax.init_opt_state(tx, params, mesh, "data")
+    step = skipreduce_jax.make_train_step(loss_fn, tx, mesh, "data")
 
 * :func:`topk_reduce`: top-k sparsification with error memory (Aji and
   Heafield 2017; Lin et al. 2018, without momentum correction). Each rank adds
@@ -24,16 +24,15 @@ every rank::
 Their per-rank state (the top-k memory, the PowerSGD error) varies over the
 data axis: it has a leading axis of size 1 inside ``shard_map`` and is stored
 stacked to ``[N, ...]`` outside, sharded ``P(axis)``, like the error-feedback
-residuals of ``skip_reduce``. :func:`baseline_state_specs` places it (and
-defers to :func:`skipreduce_jax.state_specs` for everything else);
-:func:`init_state` and :func:`make_train_step` are
+residuals of ``skip_reduce``. The state classes declare those fields in
+``per_rank_fields``, so :func:`skipreduce_jax.state_specs`,
 :func:`skipreduce_jax.init_opt_state` and :func:`skipreduce_jax.make_train_step`
-with those specs.
+place them without further help.
 
 :func:`topk_comm_bytes` and :func:`powersgd_comm_bytes` give the bytes each
 device sends per step, with the ring formulas that
-``skipreduce_jax.collective_traffic`` applies to the compiled program
-(:func:`compiled_comm_bytes` reads it from the program).
+``skipreduce_jax.collective_traffic(text).bytes_per_device()`` applies to the
+compiled program.
 
 References:
   Aji, Heafield. Sparse Communication for Distributed Gradient Descent.
@@ -47,29 +46,23 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
+from skipreduce_jax import _collectives as coll
 
 __all__ = [
     "PowerSGDState",
     "TopKState",
-    "baseline_state_specs",
-    "compiled_comm_bytes",
     "full_comm_bytes",
-    "init_state",
-    "make_train_step",
     "powersgd_comm_bytes",
     "powersgd_reduce",
-    "split_combined_collectives",
     "topk_comm_bytes",
     "topk_reduce",
 ]
@@ -83,11 +76,15 @@ class TopKState(NamedTuple):
       memory: with ``error_feedback`` (else ``optax.EmptyState()``): per
         leaf, what this rank has not sent yet, added to its next gradient.
         Each leaf has a leading axis of size 1 inside ``shard_map`` (stacked
-        to N along the data axis outside; see :func:`baseline_state_specs`).
+        to N along the data axis outside; see
+        :func:`skipreduce_jax.state_specs`).
     """
 
     count: jax.Array
     memory: Any
+
+    # Placed per rank by skipreduce_jax.state_specs.
+    per_rank_fields = ("memory",)
 
 
 class PowerSGDState(NamedTuple):
@@ -109,36 +106,21 @@ class PowerSGDState(NamedTuple):
     q: tuple[jax.Array, ...]
     error: tuple[jax.Array, ...]
 
+    # Placed per rank by skipreduce_jax.state_specs.
+    per_rank_fields = ("error",)
+
 
 # ----------------------------------------------------------------------------
 # Shared helpers.
 # ----------------------------------------------------------------------------
 
 
-def _varying_axes(x: Any) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _axis_size(axis_name: str, api: str) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise NameError(
-            f"{api}: axis_name={axis_name!r} is not bound. Call it inside "
-            f"jax.shard_map over a mesh with an axis named "
-            f"{axis_name!r}.") from e
-
-
 def _check_local(leaves: list[jax.Array], axis_name: str, api: str) -> None:
     """Refuses gradients that autodiff already summed over the data axis."""
-    if axis_name not in _varying_axes(lax.axis_index(axis_name)):
+    if not coll.vma_checked(axis_name):
         return  # check_vma=False: nothing to check
     for leaf in leaves:
-        if axis_name not in _varying_axes(leaf):
+        if axis_name not in coll.varying_axes(leaf):
             raise ValueError(
                 f"{api}: got a gradient of shape {leaf.shape} that is "
                 f"replicated over {axis_name!r}: autodiff already summed it. "
@@ -193,57 +175,6 @@ def full_comm_bytes(params: Any, n: int) -> float:
     """
     return sum(_ring_allreduce_bytes(_size(x) * np.dtype(x.dtype).itemsize, n)
                for x in jax.tree_util.tree_leaves(params))
-
-
-_TUPLE_COLLECTIVE = re.compile(
-    r"^(\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*)\((.*?)\)\s+"
-    r"(all-reduce|all-gather|reduce-scatter|all-to-all)(\(.*)$")
-_HLO_ARRAY = re.compile(r"[a-z]+\d*\[[\d,]*\](?:\{[^}]*\})?")
-
-
-def split_combined_collectives(compiled_text: str) -> str:
-    """Rewrites each combined (tuple-shaped) collective as one op per array.
-
-    XLA's combiner passes merge the all-reduces of several arrays into one
-    instruction with a tuple result, e.g. ``(f32[40], f32[500,4])
-    all-reduce(a, b)``. ``skipreduce_jax.collective_traffic`` reads the
-    first array of an op only; after this rewrite every array is counted.
-    Asynchronous ``-start`` ops (whose tuples hold operands and results) are
-    left alone.
-
-    Args:
-      compiled_text: ``jax.jit(f).lower(...).compile().as_text()``.
-
-    Returns:
-      The text with one line per array of each combined collective.
-    """
-    lines = []
-    for line in compiled_text.splitlines():
-        match = _TUPLE_COLLECTIVE.match(line)
-        if match is None:
-            lines.append(line)
-            continue
-        head, results, opcode, rest = match.groups()
-        lines.extend(f"{head}{array} {opcode}{rest}"
-                     for array in _HLO_ARRAY.findall(results))
-    return "\n".join(lines)
-
-
-def compiled_comm_bytes(compiled_text: str) -> float:
-    """Bytes each device sends per call of a compiled program.
-
-    :func:`skipreduce_jax.collective_traffic` (ring formulas, loop trip
-    counts, both branches of a conditional) after
-    :func:`split_combined_collectives`.
-
-    Args:
-      compiled_text: ``jax.jit(f).lower(...).compile().as_text()``.
-
-    Returns:
-      Bytes per device.
-    """
-    return sr.collective_traffic(
-        split_combined_collectives(compiled_text)).bytes_per_device()
 
 
 # ----------------------------------------------------------------------------
@@ -344,7 +275,7 @@ def topk_reduce(
 
 def _topk_update(config: _TopKConfig, updates: Any,
                  state: TopKState) -> tuple[Any, TopKState]:
-    n = _axis_size(config.axis_name, _TOPK)
+    n = coll.axis_size(config.axis_name, api=_TOPK)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     _check_local(leaves, config.axis_name, _TOPK)
     if config.error_feedback:
@@ -558,7 +489,7 @@ def _orthonormalize(p: jax.Array) -> jax.Array:
 
 def _powersgd_update(config: _PowerSGDConfig, updates: Any,
                      state: PowerSGDState) -> tuple[Any, PowerSGDState]:
-    _axis_size(config.axis_name, _POWERSGD)
+    coll.axis_size(config.axis_name, api=_POWERSGD)
     axis = config.axis_name
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     _check_local(leaves, axis, _POWERSGD)
@@ -646,106 +577,3 @@ def powersgd_comm_bytes(params: Any, n: int, **powersgd_kwargs: Any) -> float:
             sent += _ring_allreduce_bytes(
                 _size(leaf) * np.dtype(leaf.dtype).itemsize, n)
     return float(sent)
-
-
-# ----------------------------------------------------------------------------
-# Placement, initialization, the training step.
-# ----------------------------------------------------------------------------
-
-_STATES = (TopKState, PowerSGDState, sr.SkipReduceState)
-
-
-def baseline_state_specs(opt_state: Any, axis_name: str) -> Any:
-    """PartitionSpecs of an optimizer state holding the baselines' states.
-
-    The per-rank fields (:attr:`TopKState.memory`,
-    :attr:`PowerSGDState.error`) get ``P(axis_name)``, the rest of those
-    states ``P()``; every other part of the state is placed by
-    :func:`skipreduce_jax.state_specs` (so a ``skip_reduce`` state's
-    residuals are per rank too).
-
-    Args:
-      opt_state: the state (or its ``jax.eval_shape``).
-      axis_name: the data axis.
-
-    Returns:
-      A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
-    """
-    per_rank = P(axis_name)
-
-    def spec(node):
-        if isinstance(node, TopKState):
-            return TopKState(P(), jax.tree_util.tree_map(lambda _: per_rank,
-                                                         node.memory))
-        if isinstance(node, PowerSGDState):
-            return PowerSGDState(P(), tuple(P() for _ in node.q),
-                                 tuple(per_rank for _ in node.error))
-        return sr.state_specs(node, axis_name)
-
-    return jax.tree_util.tree_map(
-        spec, opt_state, is_leaf=lambda x: isinstance(x, _STATES))
-
-
-def init_state(tx: optax.GradientTransformation, params: Any,
-               mesh: jax.sharding.Mesh, axis_name: str = "data") -> Any:
-    """``tx.init`` placed by :func:`baseline_state_specs`.
-
-    The analogue of :func:`skipreduce_jax.init_opt_state` (including its
-    check that every device built ``skip_reduce`` with the same settings).
-
-    Args:
-      tx: the optimizer (with a baseline or ``skip_reduce`` first).
-      params: replicated params.
-      mesh: the device mesh.
-      axis_name: the data axis.
-
-    Returns:
-      The state; per-rank fields are ``[N, ...]`` arrays sharded
-      ``P(axis_name)``.
-    """
-    specs = baseline_state_specs(jax.eval_shape(tx.init, params), axis_name)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
-                         check_vma=True)
-    opt_state = jax.jit(init)(params)
-    sr.check_settings_agree(opt_state, mesh)
-    return opt_state
-
-
-def make_train_step(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    tx: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh,
-    axis_name: str = "data",
-    *,
-    donate: bool = True,
-) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
-    """:func:`skipreduce_jax.make_train_step` with :func:`baseline_state_specs`.
-
-    ``step(params, opt_state, batch) -> (params, opt_state, loss)``, the batch
-    sharded over ``axis_name``, params replicated, the loss averaged.
-
-    Args:
-      loss_fn: ``(params, local_batch) -> scalar``.
-      tx: the optimizer.
-      mesh: the device mesh.
-      axis_name: the data axis.
-      donate: donate params and state buffers to the step.
-
-    Returns:
-      The jitted step.
-    """
-
-    def local_step(params, opt_state, batch):
-        loss, grads = sr.local_value_and_grad(loss_fn, axis_name)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state,
-                lax.pmean(loss, axis_name))
-
-    def step(params, opt_state, batch):
-        specs = baseline_state_specs(opt_state, axis_name)
-        sharded = jax.shard_map(
-            local_step, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
-            out_specs=(P(), specs, P()), check_vma=True)
-        return sharded(params, opt_state, batch)
-
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())

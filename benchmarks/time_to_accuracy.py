@@ -249,7 +249,7 @@ def make_step(loss_fn: Callable[[Any, Any], jax.Array],
         return optax.apply_updates(params, updates), opt_state, stats
 
     def step(params, opt_state, batch, clock):
-        specs = bl.baseline_state_specs(opt_state, AXIS)
+        specs = sr.state_specs(opt_state, AXIS)
         sharded = jax.shard_map(
             local_step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
             out_specs=(P(), specs, P()), check_vma=True)
@@ -317,7 +317,7 @@ class Trainer:
     def fresh(self, tx: optax.GradientTransformation) -> tuple[Any, Any]:
         """The initial params and optimizer state, placed on the mesh."""
         params = sr.replicate(self.params0, self.mesh)
-        return params, bl.init_state(tx, params, self.mesh, AXIS)
+        return params, sr.init_opt_state(tx, params, self.mesh, AXIS)
 
     def evaluate(self, params: Any) -> tuple[float, float]:
         """Test accuracy and loss of this process's replica."""
@@ -335,7 +335,8 @@ class Trainer:
     def hlo_bytes(self, compiled: Any) -> float:
         """Bytes per device per step of the reduction, from the program."""
         stats = 2 * (self.n - 1) / self.n * _STATS_BYTES
-        return bl.compiled_comm_bytes(compiled.as_text()) - stats
+        return sr.collective_traffic(
+            compiled.as_text()).bytes_per_device() - stats
 
 
 def run_variant(trainer: Trainer, variant: Variant,

@@ -218,42 +218,35 @@ def test_comm_bytes_match_the_compiled_program():
     for per_leaf, gathered in ((True, 200 + 3), (False, 203)):
         kw = dict(density=0.01, per_leaf=per_leaf, min_size=100)
         text = _compiled_traffic(bl.topk_reduce("i", **kw), shapes)
-        assert bl.compiled_comm_bytes(text) == pytest.approx(
+        traffic = sr.collective_traffic(text)
+        assert traffic.bytes_per_device() == pytest.approx(
             bl.topk_comm_bytes(params, N, **kw))
-        assert sr.collective_traffic(bl.split_combined_collectives(
-            text)).bytes_per_device("all-gather") == (N - 1) * gathered * 8
+        assert traffic.bytes_per_device("all-gather") == (N - 1) * gathered * 8
 
     kw = dict(rank=4, warmup_steps=0)
     text = _compiled_traffic(bl.powersgd_reduce("i", **kw), shapes)
     expected = bl.powersgd_comm_bytes(params, N, **kw)
-    assert bl.compiled_comm_bytes(text) == pytest.approx(expected)
+    assert sr.collective_traffic(text).bytes_per_device() == pytest.approx(
+        expected)
     # "w" as factors [500, 4] and [40, 4]; "b" and "v" (too small to gain
     # 2x from rank 4) in full.
     assert expected == pytest.approx(2 * (N - 1) / N * 4 * (4 * 540 + 40 + 300))
     assert bl.full_comm_bytes(params, N) == 2 * (N - 1) / N * 4 * 20340
 
 
-def test_split_combined_collectives_counts_every_array():
-    text = "\n".join([
-        "ENTRY %main (a: f32[40], b: f32[500,4]) -> f32[40] {",
-        "  %ar = (f32[40]{0}, f32[500,4]{0,1}) all-reduce(%a, %b), "
-        "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
-        "  ROOT %g = f32[40]{0} get-tuple-element(%ar), index=0",
-        "}"])
-    ring = 2 * (N - 1) / N
-    assert sr.collective_traffic(text).bytes_per_device() == ring * 160
-    assert bl.compiled_comm_bytes(text) == ring * (160 + 8000)
-
-
 def test_state_specs_place_only_per_rank_fields():
+    # per_rank_fields is a class attribute, not a field of the state.
+    assert bl.TopKState._fields == ("count", "memory")
+    assert bl.PowerSGDState._fields == ("count", "q", "error")
     params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
     tx = optax.chain(bl.topk_reduce("data"), bl.powersgd_reduce("data", rank=1),
                      sr.skip_reduce("data", num_skip=1, error_feedback=True),
                      optax.adam(1e-3))
-    specs = bl.baseline_state_specs(jax.eval_shape(tx.init, params), "data")
+    specs = sr.state_specs(jax.eval_shape(tx.init, params), "data")
     assert specs[0].memory == {"w": P("data"), "b": P("data")}
     assert specs[0].count == P()
     assert specs[1].error == (P("data"),) and specs[1].q == (P(),)
+    assert specs[1].count == P()
     assert specs[2].residual == {"w": P("data"), "b": P("data")}
     assert specs[2].key == P()
     assert all(s == P() for s in jax.tree_util.tree_leaves(
@@ -281,13 +274,13 @@ def test_training_keeps_params_identical_across_devices(make_tx):
               "w2": rng.normal(size=(64, 5)).astype(np.float32) * 0.2}
     tx = optax.chain(make_tx(), optax.adam(1e-2))
     params = sr.replicate(params, mesh)
-    opt_state = bl.init_state(tx, params, mesh, "data")
+    opt_state = sr.init_opt_state(tx, params, mesh, "data")
     per_rank_leaf = jax.tree_util.tree_leaves(
         opt_state[0].memory if isinstance(opt_state[0], bl.TopKState)
         else opt_state[0].error)[0]
     assert per_rank_leaf.shape[0] == N
     assert per_rank_leaf.sharding.spec[0] == "data"
-    step = bl.make_train_step(loss_fn, tx, mesh, "data")
+    step = sr.make_train_step(loss_fn, tx, mesh, "data")
     losses = []
     for _ in range(6):
         params, opt_state, loss = step(params, opt_state,
