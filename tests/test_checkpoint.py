@@ -61,7 +61,8 @@ def _fresh(mesh: jax.sharding.Mesh, *, seed: int = 0, **tx_kwargs) -> tuple:
 
 def _run(step_fn, params, opt_state, mesh, start: int, stop: int) -> tuple:
     for i in range(start, stop):
-        params, opt_state, _ = step_fn(params, opt_state, _batch(i, mesh))
+        params, opt_state, loss = step_fn(params, opt_state, _batch(i, mesh))
+        jax.block_until_ready(loss)  # keep the queue of steps short
     return params, opt_state
 
 
