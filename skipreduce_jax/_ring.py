@@ -23,9 +23,6 @@ Gather = Literal["native", "ring"]
 # unrolled, so that compile time stays flat for large axes.
 MAX_UNROLLED_STEPS = 16
 
-# Ring steps are split into this many independent pieces (column ranges).
-PIPELINE_PIECES = 1
-
 
 def _shift_right(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
@@ -74,25 +71,10 @@ def reduce_scatter(
             piece = lax.dynamic_index_in_dim(pieces, chunk, 0, keepdims=False)
         return piece.astype(accumulate_dtype)
 
-    # Independent ppermute chains over column ranges: while one piece is
-    # being added, the next can be on the wire.
-    bounds = _split(chunks, min(PIPELINE_PIECES, chunks))
+    def body(step, acc):
+        return _shift_right(acc, axis_name, n) + own_piece(step)
 
-    def split(full):
-        return tuple(full[a:b] for a, b in bounds)
-
-    def body(step, accs):
-        mine = split(own_piece(step))
-        return tuple(_shift_right(acc, axis_name, n) + piece
-                     for acc, piece in zip(accs, mine))
-
-    accs = _loop(last, body, split(own_piece(0)))
-    return accs[0] if len(accs) == 1 else jnp.concatenate(accs)
-
-
-def _split(size: int, parts: int) -> list[tuple[int, int]]:
-    edges = [size * i // parts for i in range(parts + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return _loop(last, body, own_piece(0))
 
 
 def gather(
