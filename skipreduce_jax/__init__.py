@@ -4,7 +4,8 @@ Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 :func:`skip_psum`, :func:`skip_pmean`, :func:`contribution_mask`.
 Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
 friends. Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
-Cost model: ``python -m skipreduce_jax.cost``.
+Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
+``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
 """
 
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
@@ -29,13 +30,13 @@ from skipreduce_jax._training import replicate as replicate
 from skipreduce_jax._training import shard_batch as shard_batch
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
-from skipreduce_jax.distributed import initialize as initialize
-from skipreduce_jax.distributed import process_info as process_info
 from skipreduce_jax._transform import CommStats as CommStats
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState
 from skipreduce_jax._transform import by_path as by_path
 from skipreduce_jax._transform import comm_stats as comm_stats
 from skipreduce_jax._transform import exclude as exclude
 from skipreduce_jax._transform import skip_reduce as skip_reduce
+from skipreduce_jax.distributed import initialize as initialize
+from skipreduce_jax.distributed import process_info as process_info
 
 __version__ = "0.1.0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -61,3 +63,33 @@ def bit_inputs(n: int, size: int, dtype=np.float32) -> np.ndarray:
     """Rank r holds 2**r everywhere: a sum's bits name its contributors."""
     return np.broadcast_to(
         (2.0 ** np.arange(n))[:, None], (n, size)).astype(dtype)
+
+
+def launcher_results(stdout: str) -> dict[int, dict[str, str]]:
+    """Parses the ``RESULT key=value ...`` lines of collective.py by process."""
+    results = {}
+    for match in re.finditer(r"^\[p(\d+)\] RESULT (.*)$", stdout, re.M):
+        results[int(match.group(1))] = dict(kv.split("=", 1) for kv in match.group(2).split())
+    return results
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie counts as dead)."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+        except OSError:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

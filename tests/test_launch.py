@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from skipreduce_jax import distributed, launch
+from helpers import launcher_results, pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -60,36 +61,6 @@ def _run_launcher(
     return proc, time.monotonic() - start
 
 
-def _results(stdout: str) -> dict[int, dict[str, str]]:
-    """Parses the ``RESULT key=value ...`` lines of collective.py by process."""
-    results = {}
-    for match in re.finditer(r"^\[p(\d+)\] RESULT (.*)$", stdout, re.M):
-        results[int(match.group(1))] = dict(kv.split("=", 1) for kv in match.group(2).split())
-    return results
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie counts as dead)."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-        except OSError:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            return True
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _wait_for_pids(pid_dir: Path, count: int, timeout: float = 60.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,9 +74,9 @@ def _wait_for_pids(pid_dir: Path, count: int, timeout: float = 60.0) -> list[int
 
 def _assert_all_dead(pids: list[int], within: float = 5.0) -> None:
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
         time.sleep(0.1)
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if pid_alive(pid)]
     for pid in left:  # do not leave them behind even when failing
         try:
             os.kill(pid, signal.SIGKILL)
@@ -133,7 +104,7 @@ def test_collectives_across_processes(num_processes: int, devices_per_process: i
         str(devices_per_process),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = _results(proc.stdout)
+    results = launcher_results(proc.stdout)
     assert sorted(results) == list(range(num_processes)), proc.stdout
     n = num_processes * devices_per_process
     for rank, result in results.items():
@@ -157,7 +128,7 @@ def _gloo_addresses(stdout: str) -> dict[int, str]:
 def test_gloo_interface_loopback() -> None:
     proc, _ = _run_launcher("-n", "2", "--timeout", "100", str(COLLECTIVE), "2", "1", "lo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = _results(proc.stdout)
+    results = launcher_results(proc.stdout)
     assert sorted(results) == [0, 1], proc.stdout
     assert all(r["gloo"] == "lo" and r["psum"] == "3" for r in results.values())
     if _has_psutil():
@@ -199,7 +170,7 @@ def test_gloo_interface_binds_to_that_address() -> None:
     name, address = found
     proc, _ = _run_launcher("-n", "2", "--timeout", "100", str(COLLECTIVE), "2", "1", name)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert all(r["gloo"] == name for r in _results(proc.stdout).values()), proc.stdout
+    assert all(r["gloo"] == name for r in launcher_results(proc.stdout).values()), proc.stdout
     # The gloo connections use the interface's address, not 127.0.0.1.
     assert _gloo_addresses(proc.stdout) == {0: address, 1: address}, proc.stdout
 

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
 from skipreduce_jax import distributed
+from helpers import launcher_results, pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -82,36 +83,12 @@ def _launch(
     )
 
 
-def _results(stdout: str) -> dict[int, dict[str, str]]:
-    """The ``RESULT key=value ...`` line of each process."""
-    results = {}
-    for match in re.finditer(r"^\[p(\d+)\] RESULT (.*)$", stdout, re.M):
-        results[int(match.group(1))] = dict(kv.split("=", 1) for kv in match.group(2).split())
-    return results
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie counts as dead); psutil, else /proc."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _assert_all_dead(pids: list[int], within: float = 5.0) -> None:
     """Asserts that no process of ``pids`` runs (and kills any that does)."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
         time.sleep(0.1)
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if pid_alive(pid)]
     for pid in left:  # do not leave them behind even when failing
         try:
             os.kill(pid, signal.SIGKILL)
@@ -142,7 +119,7 @@ def checks_job():
     def run(processes: int, devices: int):
         if (processes, devices) not in runs:
             proc = _launch(processes, devices, CHECKS, str(processes), str(devices))
-            results = _results(proc.stdout)
+            results = launcher_results(proc.stdout)
             _assert_all_dead([int(r["pid"]) for r in results.values()])
             runs[processes, devices] = proc, results
         proc, results = runs[processes, devices]

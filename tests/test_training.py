@@ -5,8 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
