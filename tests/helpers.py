@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from typing import Any, Callable
 
 import jax
@@ -93,3 +95,17 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def assert_all_dead(pids: list[int], within: float = 5.0) -> None:
+    """Asserts that no process of ``pids`` runs (and kills any that does)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    left = [pid for pid in pids if pid_alive(pid)]
+    for pid in left:  # do not leave them behind even when failing
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes still running after the launcher or job ended: {left}"

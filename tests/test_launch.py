@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from skipreduce_jax import distributed, launch
-from helpers import launcher_results, pid_alive
+from helpers import assert_all_dead, launcher_results
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -70,53 +70,6 @@ def _wait_for_pids(pid_dir: Path, count: int, timeout: float = 60.0) -> list[int
         time.sleep(0.1)
     reported = len(list(pid_dir.glob("p*.pids")))
     raise AssertionError(f"only {reported} of {count} processes reported their pids")
-
-
-def _assert_all_dead(pids: list[int], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
-        time.sleep(0.1)
-    left = [pid for pid in pids if pid_alive(pid)]
-    for pid in left:  # do not leave them behind even when failing
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes still running after the launcher ended: {left}"
-
-
-# --------------------------------------------------------------------------
-# Multi-process JAX: device counts and cross-process collectives.
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("num_processes, devices_per_process", [(2, 2), (4, 1)])
-def test_collectives_across_processes(num_processes: int, devices_per_process: int) -> None:
-    proc, _ = _run_launcher(
-        "-n",
-        str(num_processes),
-        "--devices-per-process",
-        str(devices_per_process),
-        "--timeout",
-        "100",
-        str(COLLECTIVE),
-        str(num_processes),
-        str(devices_per_process),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = launcher_results(proc.stdout)
-    assert sorted(results) == list(range(num_processes)), proc.stdout
-    n = num_processes * devices_per_process
-    for rank, result in results.items():
-        assert result["index"] == str(rank)
-        assert result["count"] == str(num_processes)
-        assert result["devices"] == str(n)
-        assert result["local"] == str(devices_per_process)
-        assert result["psum"] == str(devices_per_process * num_processes * (num_processes + 1) // 2)
-        assert result["gloo"] == "None"
-    # Shifted values over all processes: every global position exactly once.
-    shifted = sorted(int(v) for r in results.values() for v in r["shifted"].split(","))
-    assert shifted == list(range(n))
 
 
 def _gloo_addresses(stdout: str) -> dict[int, str]:
@@ -199,7 +152,7 @@ def test_failing_process_ends_the_job(tmp_path: Path) -> None:
         "-n", "2", "--timeout", "200", str(FAIL), str(tmp_path), "raise", "1"
     )
     pids = _wait_for_pids(tmp_path, 2, timeout=1)
-    _assert_all_dead(pids)
+    assert_all_dead(pids)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     # The other process sleeps 300 s; the 3 s kill grace plus startup is all.
     assert elapsed < 30, elapsed
@@ -212,7 +165,7 @@ def test_timeout_ends_everything(tmp_path: Path) -> None:
     # The processes ignore SIGTERM (as JAX's preemption handler does): SIGKILL is needed.
     proc, elapsed = _run_launcher("-n", "2", "--timeout", "5", str(FAIL), str(tmp_path), "hang")
     pids = _wait_for_pids(tmp_path, 2, timeout=1)
-    _assert_all_dead(pids)
+    assert_all_dead(pids)
     assert proc.returncode == launch.EXIT_TIMEOUT, proc.stdout + proc.stderr
     assert "timeout" in proc.stderr and "--timeout" in proc.stderr, proc.stderr
     assert 5 <= elapsed < 30, elapsed
@@ -240,7 +193,7 @@ def test_launcher_sigterm_ends_children(tmp_path: Path) -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    _assert_all_dead(pids)
+    assert_all_dead(pids)
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     assert "received SIGTERM" in stderr
     assert elapsed < 15, elapsed
@@ -270,7 +223,7 @@ def test_launcher_sigkill_ends_initialized_children(tmp_path: Path) -> None:
         launcher.kill()
         launcher.wait()
         children = pids[0::2]  # not the grandchildren: they are not JAX processes
-        _assert_all_dead(children)
+        assert_all_dead(children)
     finally:
         if launcher.poll() is None:
             launcher.kill()

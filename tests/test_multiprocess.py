@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
 from skipreduce_jax import distributed
-from helpers import launcher_results, pid_alive
+from helpers import assert_all_dead, launcher_results
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -83,20 +83,6 @@ def _launch(
     )
 
 
-def _assert_all_dead(pids: list[int], within: float = 5.0) -> None:
-    """Asserts that no process of ``pids`` runs (and kills any that does)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
-        time.sleep(0.1)
-    left = [pid for pid in pids if pid_alive(pid)]
-    for pid in left:  # do not leave them behind even when failing
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes still running after the job ended: {left}"
-
-
 def _pids(pid_dir: Path, count: int) -> list[int]:
     files = sorted(pid_dir.glob("p*.pids"))
     assert len(files) == count, files
@@ -120,7 +106,7 @@ def checks_job():
         if (processes, devices) not in runs:
             proc = _launch(processes, devices, CHECKS, str(processes), str(devices))
             results = launcher_results(proc.stdout)
-            _assert_all_dead([int(r["pid"]) for r in results.values()])
+            assert_all_dead([int(r["pid"]) for r in results.values()])
             runs[processes, devices] = proc, results
         proc, results = runs[processes, devices]
         assert proc.returncode == 0, _output(proc)
@@ -215,7 +201,7 @@ def test_killed_process_ends_the_job(tmp_path: Path) -> None:
     """Process 1 is SIGKILLed after 2 steps while process 0 keeps stepping."""
     proc = _launch(2, 2, FAULTS, "kill", str(tmp_path), timeout=120)
     ended = time.time()
-    _assert_all_dead(_pids(tmp_path, 2))
+    assert_all_dead(_pids(tmp_path, 2))
     since_kill = ended - float((tmp_path / "killed_at").read_text())
     print(f"killed process noticed and job ended {since_kill:.1f} s after the kill")
     assert proc.returncode == 128 + signal.SIGKILL, _output(proc)
@@ -268,7 +254,7 @@ def test_killed_process_noticed_without_launcher(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    _assert_all_dead(_pids(tmp_path, 2))
+    assert_all_dead(_pids(tmp_path, 2))
     since_kill = ended - float((tmp_path / "killed_at").read_text())
     why = re.search(r"Connection (closed|reset) by peer|stopped sending heartbeats", out0)
     print(f"process 0 ended by itself {since_kill:.1f} s after the kill (heartbeat "
@@ -290,7 +276,7 @@ def test_killed_process_noticed_without_launcher(tmp_path: Path) -> None:
 def test_mismatched_configuration_refused_at_start(tmp_path: Path, mode: str, message: str) -> None:
     """Process 1 builds skip_reduce differently: init_opt_state refuses it."""
     proc = _launch(2, 2, FAULTS, mode, str(tmp_path), timeout=120)
-    _assert_all_dead(_pids(tmp_path, 2))
+    assert_all_dead(_pids(tmp_path, 2))
     assert proc.returncode == 1, _output(proc)
     assert re.search(rf"^\[p\d\] ValueError: {re.escape(message)}", proc.stdout, re.M), (
         _output(proc)
