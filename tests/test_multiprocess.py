@@ -204,10 +204,16 @@ def test_killed_process_ends_the_job(tmp_path: Path) -> None:
     assert_all_dead(_pids(tmp_path, 2))
     since_kill = ended - float((tmp_path / "killed_at").read_text())
     print(f"killed process noticed and job ended {since_kill:.1f} s after the kill")
-    assert proc.returncode == 128 + signal.SIGKILL, _output(proc)
-    assert "process 1 ([p1]" in proc.stderr, _output(proc)
-    assert "killed by SIGKILL" in proc.stderr, _output(proc)
-    assert "ending the 1 other running process(es)" in proc.stderr, _output(proc)
+    # Whichever the launcher sees first is reported: process 1's SIGKILL, or
+    # process 0 failing on the dropped gloo connection a moment earlier.
+    if proc.returncode == 128 + signal.SIGKILL:
+        assert "process 1 ([p1]" in proc.stderr, _output(proc)
+        assert "killed by SIGKILL" in proc.stderr, _output(proc)
+    else:
+        assert proc.returncode == 1, _output(proc)
+        assert "process 0 ([p0]" in proc.stderr, _output(proc)
+        assert "Connection reset by peer" in proc.stdout or \
+            "Connection closed by peer" in proc.stdout, _output(proc)
     # Both trained until the kill; process 0 never finished a step without 1.
     assert "[p0] STEP 1 " in proc.stdout and "[p1] STEP 1 " in proc.stdout, _output(proc)
     assert "[p0] STEP 2 " not in proc.stdout, _output(proc)
