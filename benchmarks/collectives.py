@@ -197,6 +197,7 @@ class Variant:
 PERMUTE_STEP = "1 ppermute step"
 PERMUTE_PIECES = "1 step in pieces"
 ALL_GATHER = "all_gather"
+REORDER = "Random's reorder"
 
 
 def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
@@ -207,7 +208,8 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
         n: the axis size N.
         ks: skip counts (None: 0..N-1).
         modes: any of ``"static"`` and ``"random"``.
-        breakdown: add one ppermute step and the all_gather of ring_psum.
+        breakdown: add one ppermute step and the all_gather of ring_psum,
+            and the reorder pass Random SkipReduce adds after its gather.
 
     Returns:
         The variants in table order.
@@ -225,7 +227,7 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
             variants.append(Variant(f"skip-{tag} k={k}", "skip", k, mode == "random"))
     if breakdown:
         variants += [Variant(PERMUTE_STEP, "part"), Variant(PERMUTE_PIECES, "part"),
-                     Variant(ALL_GATHER, "part")]
+                     Variant(ALL_GATHER, "part"), Variant(REORDER, "part")]
     return variants
 
 
@@ -257,8 +259,11 @@ def jax_shape_struct(size: int) -> Any:
 def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
     """(2(N-1)-k)/N of the padded float32 buffer: bytes each device sends.
 
-    For the parts: 1/N of the buffer (one step) and (N-1)/N (all_gather).
+    For the parts: 1/N of the buffer (one step), (N-1)/N (all_gather) and
+    nothing (the reorder is local).
     """
+    if variant.name == REORDER:
+        return 0.0
     if variant.name in (PERMUTE_STEP, PERMUTE_PIECES):
         return size // n * 4
     if variant.name == ALL_GATHER:
@@ -304,6 +309,19 @@ def build_function(variant: Variant, mesh: Any, gather: str,
         def body(x: Any, key: Any) -> Any:
             del key
             return lax.all_gather(x[: x.shape[0] // n], AXIS, tiled=True, to="invarying")
+    elif variant.name == REORDER:
+        from skipreduce_jax import _ring
+        from skipreduce_jax._buckets import plan_buckets
+
+        def body(x: Any, key: Any) -> Any:
+            # The reorder skip_psum runs for this buffer (same sub-chunks).
+            bucket = plan_buckets(jax_shape_struct(x.shape[0]), group_size=n).buckets[0]
+            schedule = sr.make_schedule(n, num_skip=1, key=jax.random.wrap_key_data(key),
+                                        chunks_per_rank=bucket.chunks_per_rank)
+            x = jnp.pad(x, (0, bucket.padded_size - x.shape[0]))
+            return _ring.put_in_slot_order(x.reshape(n, bucket.chunks_per_rank, -1),
+                                           schedule).reshape(-1)
+        out_spec = P(AXIS)
     elif variant.kind == "psum":
         def body(x: Any, key: Any) -> Any:
             del key
@@ -317,7 +335,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
             return sr.skip_psum(x, AXIS, key=key if variant.randomize else None,
                                 num_skip=variant.num_skip, randomize=variant.randomize,
                                 gather=gather)
-    if variant.name not in (PERMUTE_STEP, PERMUTE_PIECES):
+    if variant.name not in (PERMUTE_STEP, PERMUTE_PIECES, REORDER):
         out_spec = P()
     # gather="ring" returns values equal on every rank but typed varying, so
     # the replicated out_specs cannot be checked statically.
@@ -537,7 +555,8 @@ def format_table(rows: Sequence[dict[str, Any]], rate: float | None = None) -> s
         extra = []
         if rate:
             wire = row["wire_bytes"] * 8 / rate
-            extra = [f"{wire * 1e3:.1f}", f"{row['seconds'] / wire:.2f}"]
+            extra = ([f"{wire * 1e3:.1f}", f"{row['seconds'] / wire:.2f}"] if wire
+                     else ["-", "-"])
         lines.append([
             row["name"], f"{row['seconds'] * 1e3:.1f}", f"{row['iqr'] * 1e3:.1f}",
             f"{row['ratio_psum']:.3f}", f"{row['ratio_ring']:.3f}",
@@ -575,8 +594,13 @@ def breakdown_summary(rows: Sequence[dict[str, Any]], n: int, gather: str) -> st
         parts = (n - 1) * step + all_gather
         what = (f"(N-1) x one ppermute step {step * 1e3:.1f} ms + all_gather "
                 f"{all_gather * 1e3:.1f} ms")
-    return (f"breakdown: ring_psum {ring * 1e3:.1f} ms = {ring / parts:.2f} x ({what} "
+    text = (f"breakdown: ring_psum {ring * 1e3:.1f} ms = {ring / parts:.2f} x ({what} "
             f"= {parts * 1e3:.1f} ms); psum {psum * 1e3:.1f} ms")
+    if REORDER in by_name:
+        reorder = by_name[REORDER]["seconds"]
+        text += (f"\n           Random's reorder alone {reorder * 1e3:.1f} ms "
+                 f"({reorder / ring:.3f} of ring_psum)")
+    return text
 
 
 def fmt_load(load: Sequence[float]) -> str:

@@ -20,8 +20,12 @@ gradient reduction:
 
 The test accuracy is measured every ``--eval-every`` seconds of training
 time. The training clock stops during evaluations, and every step function
-is compiled and run twice before its clock starts. The script reports, per
-variant, the time to reach the baseline's final accuracy, the final and best
+is compiled and run twice before its clock starts. One evaluation moves by a
+test sample or two, so accuracies are smoothed: a trailing mean over the last
+``--smooth`` (3) evaluations, for every curve alike. The script reports, per
+variant, the time to reach the baseline's (smoothed) final accuracy and the
+speedup over the baseline's own time to it, the same for the baseline's final
+test loss (smoother than accuracy), the final (raw and smoothed) and best
 accuracy, and the bytes each device sends per step, twice: from the compiled
 program (``skipreduce_jax.collective_traffic``, the ring formulas applied to
 every collective of the jitted step, minus the step's own 8-byte loss/clock
@@ -403,40 +407,72 @@ def run_variant(trainer: Trainer, variant: Variant,
                 hlo_bytes=hlo_bytes, history=history)
 
 
-def time_to(history: dict[str, list[float]], target: float) -> float | None:
-    """The first evaluation time with accuracy >= ``target`` (None: never)."""
-    for seconds, acc in zip(history["time"], history["acc"]):
-        if acc >= target:
+def smoothed(acc: Sequence[float], window: int) -> list[float]:
+    """The trailing mean over the last ``window`` evaluations (fewer at the
+    start): one test-set evaluation moves by a sample or two."""
+    return [float(np.mean(acc[max(0, i + 1 - window):i + 1]))
+            for i in range(len(acc))]
+
+
+def time_to(history: dict[str, list[float]], target: float,
+            window: int = 1, metric: str = "acc") -> float | None:
+    """The first evaluation time whose smoothed ``metric`` reaches
+    ``target`` (accuracy: >=, loss: <=; None: never)."""
+    better = (lambda v: v >= target) if metric == "acc" else (lambda v: v <= target)
+    for seconds, value in zip(history["time"], smoothed(history[metric], window)):
+        if better(value):
             return seconds
     return None
 
 
-def summarize(results: dict[str, dict[str, Any]],
-              tolerance: float) -> float | None:
-    """Adds ``time_to_target`` and byte ratios; returns the target."""
-    base = results.get("all-reduce")
-    target = None if base is None else base["final_acc"] - tolerance
+def summarize(results: dict[str, dict[str, Any]], tolerance: float,
+              window: int = 1) -> float | None:
+    """Adds smoothed final values, the times to the all-reduce's final
+    accuracy and test loss, the speedups over the all-reduce's own times
+    and byte ratios; returns the accuracy target: the all-reduce's smoothed
+    final accuracy minus ``tolerance``."""
     for r in results.values():
-        r["time_to_target"] = None if target is None else time_to(r["history"],
-                                                                   target)
-        if base is not None:
-            r["bytes_ratio"] = r["formula_bytes"] / base["formula_bytes"]
+        r["final_acc_smoothed"] = smoothed(r["history"]["acc"], window)[-1]
+        r["final_loss_smoothed"] = smoothed(r["history"]["loss"], window)[-1]
+    base = results.get("all-reduce")
+    if base is None:
+        return None
+    target = base["final_acc_smoothed"] - tolerance
+    for r in results.values():
+        r["bytes_ratio"] = r["formula_bytes"] / base["formula_bytes"]
+        for metric, goal, key in (("acc", target, "time_to_target"),
+                                  ("loss", base["final_loss_smoothed"],
+                                   "time_to_loss")):
+            r[key] = time_to(r["history"], goal, window, metric)
+    for r in results.values():
+        for key, out in (("time_to_target", "speedup"),
+                         ("time_to_loss", "speedup_loss")):
+            mine, theirs = r[key], base[key]
+            r[out] = theirs / mine if mine and theirs else None
     return target
 
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:
     """The printed table."""
-    headers = ("variant", "steps", "ms/step", "final acc", "best acc",
-               "t->target s", "bytes/step (formula)", "bytes/step (HLO)",
-               "vs all-reduce")
+    headers = ("variant", "steps", "ms/step", "final acc", "smoothed",
+               "best acc", "t->acc s", "speedup", "t->loss s", "speedup",
+               "bytes/step (formula)", "bytes/step (HLO)", "vs all-reduce")
+
+    def opt(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
     rows = []
     for name, r in results.items():
-        reached = r.get("time_to_target")
         rows.append((name, f"{r['steps']}", f"{r['step_ms']:.0f}",
-                     f"{r['final_acc']:.3f}", f"{r['best_acc']:.3f}",
-                     "-" if reached is None else f"{reached:.1f}",
+                     f"{r['final_acc']:.3f}",
+                     opt(r.get("final_acc_smoothed"), ".3f"),
+                     f"{r['best_acc']:.3f}",
+                     opt(r.get("time_to_target"), ".1f"),
+                     opt(r.get("speedup"), ".2f"),
+                     opt(r.get("time_to_loss"), ".1f"),
+                     opt(r.get("speedup_loss"), ".2f"),
                      f"{r['formula_bytes']:,.0f}", f"{r['hlo_bytes']:,.0f}",
-                     f"{r.get('bytes_ratio', float('nan')):.3f}"))
+                     opt(r.get("bytes_ratio"), ".3f")))
     cells = [list(headers)] + [list(r) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
@@ -465,7 +501,8 @@ def plot(results: dict[str, dict[str, Any]], target: float | None,
                    label=f"target {target:.3f}")
     ax.set_xlabel("training time (s, evaluation and compilation excluded)")
     ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.0, 1.0)
+    # Zoom on the end of training, where the target is reached.
+    ax.set_ylim(0.0 if target is None else max(0.0, target - 0.15), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
@@ -503,6 +540,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="PowerSGD: steps of plain all-reduce first")
     p.add_argument("--tolerance", type=float, default=0.0,
                    help="target = the baseline's final accuracy minus this")
+    p.add_argument("--smooth", type=int, default=3,
+                   help="accuracies are trailing means over this many "
+                        "evaluations (1: raw)")
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices when run as one process")
     p.add_argument("--seed", type=int, default=0)
@@ -551,11 +591,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = make_variants(args)
     results = {name: run_variant(trainer, variants[name], log)
                for name in args.variants}
-    target = summarize(results, args.tolerance)
+    target = summarize(results, args.tolerance, args.smooth)
     if target is not None:
         final = target + args.tolerance
-        log(f"\ntarget: the all-reduce's final accuracy {final:.3f}"
-            + (f" - {args.tolerance:g}" if args.tolerance else ""))
+        loss = results["all-reduce"]["final_loss_smoothed"]
+        log(f"\ntargets: the all-reduce's final test accuracy {final:.3f}"
+            + (f" - {args.tolerance:g}" if args.tolerance else "")
+            + f" and test loss {loss:.4f} (means of its last {args.smooth} "
+            "evaluations; every curve is smoothed the same way)")
     log(results_table(results))
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """SkipReduce for JAX: a gradient all-reduce that skips part of the ring.
 
 Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
-:func:`skip_psum`, :func:`skip_pmean`, :func:`contribution_mask`.
+:func:`skip_psum`, :func:`skip_pmean` (and :func:`skip_pmean_and_left_out`,
+for error feedback), :func:`contribution_mask`.
 Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
 friends. Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
@@ -12,6 +13,7 @@ from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from skipreduce_jax._collectives import contribution_mask as contribution_mask
 from skipreduce_jax._collectives import ring_psum as ring_psum
 from skipreduce_jax._collectives import skip_pmean as skip_pmean
+from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_and_left_out
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._guards import assert_replicated as assert_replicated
 from skipreduce_jax._guards import check_replicated as check_replicated

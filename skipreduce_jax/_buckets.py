@@ -1,8 +1,9 @@
 """Pytree <-> flat per-dtype buckets, with the padding the ring needs.
 
 Leaves of one dtype are concatenated, in tree order, into buckets of at most
-``bucket_bytes`` (a leaf larger than the cap gets a bucket of its own; leaves
-are never split). Each bucket is zero-padded to a multiple of
+``bucket_bytes``. A leaf of at least a quarter of the cap gets a bucket of its
+own, which needs no copy (packing a large leaf costs a pass over its bytes);
+leaves are never split. Each bucket is zero-padded to a multiple of
 ``group_size * chunks_per_rank`` so it splits evenly into ring slots and
 sub-chunks. Zero-size leaves are not packed at all.
 """
@@ -21,6 +22,8 @@ from jax import lax
 from skipreduce_jax._schedule import default_chunks_per_rank
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# A leaf of at least this fraction of the cap gets a bucket of its own.
+OWN_BUCKET_FRACTION = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +68,18 @@ class BucketPlan:
             return jnp.ravel(leaves[bucket.leaf_indices[0]])  # no copy
         # Copy each leaf into place: XLA's CPU concatenate of many operands
         # runs an order of magnitude slower than these in-place updates.
+        # The largest leaf goes first: XLA turns the first update of the
+        # zero buffer into a pad, a pass over the whole buffer, which is
+        # cheapest when most of it is that leaf's values (a 17 MB bucket of
+        # summed leaves on CPU: 5.7 ms against 17.8 ms in tree order).
+        starts = np.cumsum([0] + [math.prod(self.shapes[i])
+                                  for i in bucket.leaf_indices])
+        order = sorted(range(len(bucket.leaf_indices)),
+                       key=lambda j: starts[j] - starts[j + 1])
         buffer = jnp.zeros((bucket.padded_size,), bucket.dtype)
-        start = 0
-        for i in bucket.leaf_indices:
-            leaf = jnp.ravel(leaves[i]).astype(bucket.dtype)
-            buffer = lax.dynamic_update_slice(buffer, leaf, (start,))
-            start += leaf.size
+        for j in order:
+            leaf = jnp.ravel(leaves[bucket.leaf_indices[j]]).astype(bucket.dtype)
+            buffer = lax.dynamic_update_slice(buffer, leaf, (int(starts[j]),))
         return buffer
 
     def unpack(
@@ -130,15 +139,22 @@ def plan_buckets(
     dtypes = tuple(np.dtype(x.dtype) for x in leaves)
 
     groups: dict[np.dtype, list[list[int]]] = {}
+    open_bucket: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             continue
-        if dtype not in groups or filled[dtype] + nbytes > bucket_bytes:
-            groups.setdefault(dtype, []).append([])
+        buckets_of_dtype = groups.setdefault(dtype, [])
+        if nbytes >= bucket_bytes * OWN_BUCKET_FRACTION:
+            # Reduced in place: no copy into a shared buffer and out again.
+            buckets_of_dtype.append([i])
+            continue
+        if dtype not in open_bucket or filled[dtype] + nbytes > bucket_bytes:
+            open_bucket[dtype] = []
+            buckets_of_dtype.append(open_bucket[dtype])
             filled[dtype] = 0
-        groups[dtype][-1].append(i)
+        open_bucket[dtype].append(i)
         filled[dtype] += nbytes
 
     buckets = []

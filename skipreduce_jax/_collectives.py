@@ -191,7 +191,15 @@ def _reduce(
     accumulate_dtype: Any,
     gather: _ring.Gather,
     api: str,
+    dropped: bool = False,
 ) -> Any:
+    """The shared body of the public reductions.
+
+    With ``dropped=True`` it returns ``(result, left_out)``: ``left_out`` holds
+    this rank's values that the schedule leaves out of the sum (zero where
+    they are summed), shaped like ``tree``, i.e. ``tree * ~contribution_mask``.
+    It is computed on the packed buffers (see :func:`_left_out`).
+    """
     plan, schedules, n, inner = _plan(
         tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
@@ -204,9 +212,11 @@ def _reduce(
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
         leaves = [_to_varying(leaf, axes) for leaf in leaves]
 
-    outputs = []
+    outputs, left_out = [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
+        if dropped:
+            left_out.append(_left_out(buffer, schedule, axis_name, inner))
         acc_dtype = bucket.dtype
         if accumulate_dtype is not None and jnp.issubdtype(
                 bucket.dtype, jnp.floating):
@@ -231,7 +241,40 @@ def _reduce(
         if inner_axis is not None:
             out = lax.all_gather(out, inner_axis, tiled=True, to="invarying")
         outputs.append(out)
-    return plan.unpack(outputs, fill=lambda shape, dtype: jnp.zeros(shape, dtype))
+    zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+    result = plan.unpack(outputs, fill=zeros)
+    if not dropped:
+        return result
+    return result, plan.unpack(left_out, fill=zeros)
+
+
+def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
+              inner: int) -> jax.Array:
+    """This rank's values of a packed buffer that the sum leaves out.
+
+    Rank r's value of (slot s, column j) is left out when s rides in ring
+    chunk r - i, i = 1..k. The k * C such pieces are copied into a zero
+    buffer in a loop. (A mask over the whole buffer gets fused by XLA into
+    each leaf's slice, which then redoes the key arithmetic for every
+    element: on CPU about twice the time of the loop for a 4M-element leaf.)
+    The buffer is ``[L, N, C, m]``:
+    with an inner axis of size L each of its L shards runs the same schedule
+    (see :func:`contribution_mask`).
+    """
+    n, columns = schedule.axis_size, schedule.chunks_per_rank
+    pieces = buffer.reshape(inner, n, columns, -1)
+    rank = lax.axis_index(axis_name)
+
+    def copy_piece(t, out):
+        back, column = t // columns + 1, t % columns
+        slot = (rank - back + schedule.offsets[column]) % n
+        start = (0, slot, column, 0)
+        piece = lax.dynamic_slice(pieces, start, (inner, 1, 1, pieces.shape[-1]))
+        return lax.dynamic_update_slice(out, piece, start)
+
+    out = lax.fori_loop(0, schedule.num_skip * columns, copy_piece,
+                        jnp.zeros_like(pieces))
+    return out.reshape(-1)
 
 
 def _to_varying(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -325,7 +368,8 @@ def skip_psum(
         only ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot, each randomized on its own;
         None picks at least 4 when each holds a few hundred elements.
-      bucket_bytes: the byte cap of one packed buffer (one ring each).
+      bucket_bytes: the byte cap of one packed buffer (one ring each); a
+        leaf of at least a quarter of it gets a buffer of its own.
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16/float16 values in
         float32 (the reduce-scatter then sends float32).
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
@@ -389,7 +433,45 @@ def skip_pmean(
     Returns:
       The partial mean, identical on every rank.
     """
-    api = "skip_pmean"
+    return _pmean(
+        x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
+        normalize=normalize, inner_axis=inner_axis,
+        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
+        accumulate_dtype=accumulate_dtype, gather=gather, api="skip_pmean")
+
+
+def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
+                            ) -> tuple[Any, Any]:
+    """:func:`skip_pmean`, plus this rank's values the sum left out.
+
+    Error feedback keeps the second result for the next step; it equals
+    ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same arguments.
+
+    Args:
+      x: as in :func:`skip_pmean`.
+      axis_name: as in :func:`skip_pmean`.
+      **kwargs: the keyword arguments of :func:`skip_pmean`.
+
+    Returns:
+      ``(mean, left_out)``, both shaped like ``x``: the mean is identical on
+      every rank, ``left_out`` is this rank's own.
+
+    Example:
+      >>> def f(g):  # inside jax.shard_map over "data"
+      ...     mean, left_out = skip_pmean_and_left_out(
+      ...         g, "data", key=jax.random.key(0), num_skip=1)
+      ...     return mean, left_out  # keep left_out, add it to the next g
+    """
+    return _pmean(x, axis_name, **kwargs, api="skip_pmean_and_left_out",
+                  dropped=True)
+
+
+def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
+           randomize: bool = True, normalize: Normalize = "contributors",
+           inner_axis: str | None = None, chunks_per_rank: int | None = None,
+           bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+           accumulate_dtype: Any = None, gather: _ring.Gather = "native",
+           api: str, dropped: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = _axes(axis_name, inner_axis, api)
@@ -399,7 +481,7 @@ def skip_pmean(
         x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api)
+        gather=gather, api=api, dropped=dropped)
 
 
 def contribution_mask(

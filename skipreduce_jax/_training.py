@@ -164,13 +164,28 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Copies every leaf onto every device of ``mesh`` (``P()``).
 
     The copy never aliases ``tree``, so the step may donate it (``device_put``
-    alone can reuse a single-device buffer as one of the replicas).
+    alone can reuse a single-device buffer as one of the replicas). In a
+    multi-process job every process must pass the same values; each process
+    places its own copies on its own devices.
     """
-    # P(None, ...) per dimension: the spec jit gives its replicated outputs,
-    # so the step's first call and later calls hit one compilation.
-    return jax.tree_util.tree_map(
-        lambda x: jax.device_put(
-            jnp.copy(x), NamedSharding(mesh, P(*[None] * np.ndim(x)))), tree)
+
+    def copy(x: Any) -> jax.Array:
+        # P(None, ...) per dimension: the spec jit gives its replicated
+        # outputs, so the step's first call and later calls hit one
+        # compilation.
+        sharding = NamedSharding(mesh, P(*[None] * np.ndim(x)))
+        if jax.process_count() == 1:
+            return jax.device_put(jnp.copy(x), sharding)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.jit(jnp.copy, out_shardings=sharding)(x)
+        # device_put of a local array onto a multi-process sharding builds
+        # an array whose per-device shards cannot be read back
+        # (`addressable_shards` raises); build the shards one by one.
+        host = np.array(x)
+        return jax.make_array_from_callback(host.shape, sharding,
+                                            lambda index: host[index])
+
+    return jax.tree_util.tree_map(copy, tree)
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh,

@@ -389,14 +389,11 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                   inner_axis=config.inner_axis,
                   chunks_per_rank=config.chunks_per_rank,
                   bucket_bytes=config.bucket_bytes)
-        out = coll.skip_pmean(picked, config.axis_name,
-                              normalize=config.normalize,
-                              accumulate_dtype=config.accumulate_dtype, **kw)
+        kw.update(normalize=config.normalize,
+                  accumulate_dtype=config.accumulate_dtype)
         if residuals is None:
-            return out, None
-        mask = coll.contribution_mask(picked, config.axis_name, **kw)
-        return out, [jnp.where(m, jnp.zeros_like(g), g)
-                     for g, m in zip(picked, mask)]
+            return coll.skip_pmean(picked, config.axis_name, **kw), None
+        return coll.skip_pmean_and_left_out(picked, config.axis_name, **kw)
 
     if not picked or num_skip == 0:
         reduced, kept = full(picked)

@@ -74,6 +74,31 @@ def test_exactly_n_minus_k_contributors_and_mask_agrees(n, randomize):
                                           mask[r].astype(np.int64))
 
 
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("randomize", [True, False])
+def test_left_out_is_exactly_what_the_mask_excludes(n, randomize):
+    rng = np.random.default_rng(n)
+    # A leaf big enough for its own bucket, two that share one, a scalar.
+    tree = {"big": rng.normal(size=(n, 64, 40)), "a": rng.normal(size=(n, 300)),
+            "b": rng.normal(size=(n, 7, 3)), "s": rng.normal(size=(n,))}
+    tree = jax.tree_util.tree_map(lambda a: a.astype(np.float32), tree)
+    for k in range(n):
+        def f(t):
+            kw = dict(key=jax.random.key(k), num_skip=k, randomize=randomize,
+                      bucket_bytes=4 * 2048)
+            mean, left = sr.skip_pmean_and_left_out(t, "i", **kw)
+            return (mean, left, sr.skip_pmean(t, "i", **kw),
+                    sr.contribution_mask(t, "i", **kw))
+
+        mean, left, ref, mask = per_rank(f, tree, n=n)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, mean, ref)
+        expect = jax.tree_util.tree_map(lambda x, m: np.where(m, 0, x), tree, mask)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, left, expect)
+        # k ranks' values of every element are left out.
+        dropped = jax.tree_util.tree_map(lambda m: (~m).sum(0), mask)
+        assert all(np.all(d == k) for d in jax.tree_util.tree_leaves(dropped))
+
+
 def _patterns(keys, *, k, randomize, n=8, size=2048, chunks=None):
     """Sums of bit inputs for many keys, computed inside one lax.scan."""
     def f(v, keys):

@@ -54,6 +54,24 @@ def test_each_element_sums_whole_hosts(hosts, local, randomize):
                 np.testing.assert_array_equal(masks[h, l], per_host[h] == group)
 
 
+@pytest.mark.parametrize("randomize", [True, False])
+def test_left_out_follows_the_mask_with_an_inner_axis(randomize):
+    hosts, local = 4, 2
+    x = np.random.default_rng(1).normal(size=(hosts, local, 1000)).astype(np.float32)
+    for k in range(hosts):
+        def fn(v):
+            kw = dict(key=jax.random.key(k), num_skip=k, randomize=randomize,
+                      inner_axis="local")
+            _, left = sr.skip_pmean_and_left_out(v, "host", **kw)
+            return jnp.stack([left, jnp.where(sr.contribution_mask(v, "host", **kw),
+                                              0.0, v)])
+
+        out = _run(fn, hosts, local, x)
+        np.testing.assert_array_equal(out[:, :, 0], out[:, :, 1])
+        # Each element drops k of the hosts, on every inner device.
+        assert np.all((out[:, :, 0] != 0).sum(0) == k)
+
+
 def test_hierarchical_pmean_and_k0_equal_psum():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 4, 333)).astype(np.float32)

@@ -173,6 +173,9 @@ def train(mesh: Mesh, axes: Any, tx: Any,
       ``(params, opt_state, losses)`` after :data:`TRAIN_STEPS` steps.
     """
     params = sr.replicate(init_params(), mesh)
+    # Every local copy of the freshly replicated params can be read back.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, local_copy(params),
+                           jax.tree_util.tree_map(np.asarray, init_params()))
     opt_state = sr.init_opt_state(tx, params, mesh, axes)
     step = sr.make_train_step(loss_fn, tx, mesh, axes)
     losses = []
