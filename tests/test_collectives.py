@@ -99,6 +99,21 @@ def test_left_out_is_exactly_what_the_mask_excludes(n, randomize):
         assert all(np.all(d == k) for d in jax.tree_util.tree_leaves(dropped))
 
 
+@pytest.mark.parametrize("n", [4, 8])
+def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
+    # Integers, different per element and rank: any misplaced piece shows.
+    x = np.random.default_rng(n).integers(-99, 99, size=(n, 5000)).astype(np.float32)
+    for k in range(1, n):
+        def f(v):
+            kw = dict(key=jax.random.key(10 + k), num_skip=k, chunks_per_rank=8)
+            return (sr.skip_psum(v, "i", gather="native", **kw),
+                    sr.skip_psum(v, "i", gather="ring", **kw))
+
+        native, ring = per_rank(f, x, n=n)
+        np.testing.assert_array_equal(ring, native)
+        assert not np.array_equal(native[0], x.sum(0))  # something was dropped
+
+
 def _patterns(keys, *, k, randomize, n=8, size=2048, chunks=None):
     """Sums of bit inputs for many keys, computed inside one lax.scan."""
     def f(v, keys):
