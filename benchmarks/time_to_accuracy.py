@@ -407,11 +407,11 @@ def run_variant(trainer: Trainer, variant: Variant,
                 hlo_bytes=hlo_bytes, history=history)
 
 
-def smoothed(acc: Sequence[float], window: int) -> list[float]:
+def smoothed(values: Sequence[float], window: int) -> list[float]:
     """The trailing mean over the last ``window`` evaluations (fewer at the
     start): one test-set evaluation moves by a sample or two."""
-    return [float(np.mean(acc[max(0, i + 1 - window):i + 1]))
-            for i in range(len(acc))]
+    return [float(np.mean(values[max(0, i + 1 - window):i + 1]))
+            for i in range(len(values))]
 
 
 def time_to(history: dict[str, list[float]], target: float,
