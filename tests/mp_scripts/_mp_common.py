@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import pathlib
+import sys
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -24,6 +26,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
+
+# The scripts run from tests/mp_scripts; the shared test helpers live above.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from helpers import popcount  # noqa: E402,F401  (used as common.popcount)
 
 #: Elements per rank of the bit-pattern checks.
 BIT_SIZE = 1000
@@ -100,16 +106,6 @@ def hier_sums(mesh: Mesh, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(*axes),
                                  out_specs=(P(*axes), P(*axes))))(x)
-
-
-def popcount(values: np.ndarray) -> np.ndarray:
-    """Number of set bits of each (non-negative, integer-valued) element."""
-    ints = np.asarray(values).astype(np.int64)
-    count = np.zeros_like(ints)
-    while np.any(ints):
-        count += ints & 1
-        ints >>= 1
-    return count
 
 
 class MLP(nn.Module):
