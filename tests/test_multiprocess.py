@@ -214,8 +214,10 @@ def test_killed_process_ends_the_job(tmp_path: Path) -> None:
         assert "process 0 ([p0]" in proc.stderr, _output(proc)
         assert "Connection reset by peer" in proc.stdout or \
             "Connection closed by peer" in proc.stdout, _output(proc)
-    # Both trained until the kill; process 0 never finished a step without 1.
-    assert "[p0] STEP 1 " in proc.stdout and "[p1] STEP 1 " in proc.stdout, _output(proc)
+    # Both trained until the kill, and process 0 never finished a step
+    # without 1. (Process 0 may fail in step 1 itself: process 1's last
+    # messages of that step can still be in flight when it dies.)
+    assert "[p0] STEP 0 " in proc.stdout and "[p1] STEP 1 " in proc.stdout, _output(proc)
     assert "[p0] STEP 2 " not in proc.stdout, _output(proc)
     # The launcher notices at once; ending the others takes its SIGTERM grace.
     assert since_kill < 30, since_kill

@@ -11,7 +11,8 @@ from benchmarks import time_to_accuracy as tta  # noqa: E402
 
 def _result(times, accs, nbytes=100.0):
     losses = [1.0 - a for a in accs]
-    return dict(history=dict(time=times, acc=accs, loss=losses),
+    steps = [10 * i for i in range(len(times))]
+    return dict(history=dict(time=times, step=steps, acc=accs, loss=losses),
                 formula_bytes=nbytes)
 
 
@@ -41,6 +42,87 @@ def test_target_and_speedup_use_smoothed_curves():
     # The loss target (here 1 - accuracy) is reached at the same times.
     assert results["random"]["time_to_loss"] == 6.0
     assert results["random"]["speedup_loss"] == pytest.approx(8.0 / 6.0)
+    assert results["random"]["steps_to_loss"] == 30
+    assert results["all-reduce"]["steps_to_target"] == 40
+    assert results["slow"]["steps_to_loss"] is None
     # Raw curves (window 1): the baseline's last value is the target.
     tta.summarize(results, tolerance=0.0, window=1)
     assert results["random"]["time_to_target"] is None
+
+
+def test_optimizer_choice_and_default_learning_rates():
+    assert tta.parse_args(["--optimizer", "adam"]).lr == tta.DEFAULT_LR["adam"]
+    args = tta.parse_args([])
+    assert (args.optimizer, args.lr) == ("sgd", tta.DEFAULT_LR["sgd"])
+    assert tta.parse_args(["--optimizer", "sgd", "--lr", "0.5"]).lr == 0.5
+    # SGD with momentum: the second update of a constant gradient g is
+    # -lr * (1 + 0.9) * g; Adam's would be -lr (sign-like).
+    import jax.numpy as jnp
+    opt = tta.make_optimizer(args)
+    g = jnp.full((3,), 2.0)
+    state = opt.init(g)
+    _, state = opt.update(g, state)
+    second, _ = opt.update(g, state)
+    assert second == pytest.approx([-0.02 * 1.9 * 2.0] * 3)
+    for bad in (["--lr", "0"], ["--shift", "-1"]):
+        with pytest.raises(SystemExit):
+            tta.parse_args(bad)
+
+
+def test_shifted_moves_each_pixel_by_each_offset():
+    import numpy as np
+    image = np.zeros((1, 64), np.float32)
+    image[0, 3 * 8 + 4] = 1.0                     # pixel (3, 4)
+    out = tta.shifted(image, 1)
+    assert out.shape == (9, 64)
+    offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+    for copy, (dy, dx) in zip(out, offsets):
+        assert np.flatnonzero(copy).tolist() == [(3 + dy) * 8 + 4 + dx]
+    np.testing.assert_array_equal(tta.shifted(image, 0), image)
+    # Zero-filled at the border: a corner pixel leaves the image.
+    corner = np.zeros((1, 64), np.float32)
+    corner[0, 0] = 1.0
+    assert tta.shifted(corner, 1).sum() == 4.0   # kept by 4 of the 9 shifts
+
+
+def test_shifted_data_keeps_the_split_and_the_labels():
+    import numpy as np
+    plain, grown = tta.load_data(0), tta.load_data(0, shift=1)
+    n_test = len(plain.y_test)
+    assert grown.x_test.shape == (9 * n_test, 64)
+    assert grown.x_train.shape == (9 * len(plain.y_train), 64)
+    # Copy 4 is the unshifted one: the same split, no image crosses over.
+    np.testing.assert_array_equal(grown.x_test[4 * n_test:5 * n_test],
+                                  plain.x_test)
+    np.testing.assert_array_equal(grown.y_test, np.tile(plain.y_test, 9))
+
+
+def test_parts_times_the_step_and_the_reduction_alone():
+    args = tta.parse_args(["--hidden", "16", "--layers", "1", "--shift", "0",
+                           "--variants", "all-reduce,random,powersgd"])
+    trainer = tta.Trainer(args, tta.data_mesh())
+    variants = tta.make_variants(args)
+    parts = tta.time_parts(trainer, [variants[v] for v in args.variants],
+                           rounds=1, calls=1)
+    assert list(parts) == ["all-reduce", "random", "powersgd"]
+    for p in parts.values():
+        assert p["step_ms"] > 0 and p["reduction_ms"] > 0
+        assert p["rest_ms"] == pytest.approx(p["step_ms"] - p["reduction_ms"])
+    table = tta.parts_table(parts)
+    assert table.splitlines()[1].split()[2] == "1.000"   # all-reduce / itself
+
+
+def test_reduction_only_averages_the_per_rank_gradients():
+    import jax
+    import numpy as np
+    args = tta.parse_args(["--hidden", "8", "--layers", "1", "--shift", "0"])
+    trainer = tta.Trainer(args, tta.data_mesh())
+    import skipreduce_jax as sr
+    tx = tta.make_variants(args)["all-reduce"].make()
+    params = sr.replicate(trainer.params0, trainer.mesh)
+    state = sr.init_opt_state(tx, params, trainer.mesh, tta.AXIS)
+    updates, _ = tta.reduction_only(tx, trainer.mesh)(params, state)
+    n = trainer.n                     # rank r sends (r + 1) * params
+    for u, p in zip(jax.tree_util.tree_leaves(updates),
+                    jax.tree_util.tree_leaves(trainer.params0)):
+        np.testing.assert_allclose(np.asarray(u), (n + 1) / 2 * p, rtol=1e-6)
