@@ -30,15 +30,17 @@ variant, the time to reach the baseline's (smoothed) final accuracy and the
 speedup over the baseline's own time to it, the same for the baseline's final
 test loss (smoother than accuracy) with the steps it took to reach it (how
 many more steps a reduction needs: its cost in convergence), the final (raw
-and smoothed) and best accuracy, and the bytes each device sends per step, twice: from the compiled
-program (``skipreduce_jax.collective_traffic``, the ring formulas applied to
-every collective of the jitted step, minus the step's own 8-byte loss/clock
-all-reduce; PowerSGD's is compiled without warm-up so that only the
-compressed path is counted) and from the formulas
+and smoothed) and best accuracy, and the bytes each device sends per step,
+twice: from the compiled program (``skipreduce_jax.collective_traffic``, the
+ring formulas applied to every collective of the jitted step, minus the
+step's own 8-byte loss/clock all-reduce; PowerSGD's is compiled without
+warm-up so that only the compressed path is counted) and from the formulas
 (``skipreduce_jax.comm_stats``, ``baselines.topk_comm_bytes``,
 ``baselines.powersgd_comm_bytes``). Process 0 prints the table and writes
 ``<name>.json`` and ``<name>.png`` (accuracy against training time) to
-``--out``.
+``--out``. With ``--parts ROUNDS`` nothing is trained: each variant's whole
+step and its reduction alone are timed instead (:func:`time_parts`), and
+``<name>.json`` holds the medians.
 
 Two modes:
 
@@ -691,8 +693,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.variants = [v for v in ALL_VARIANTS if v in names]
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
-    if args.shift < 0:
-        p.error("--shift must be >= 0")
+    for name in ("shift", "parts"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
     for name in ("time_budget", "eval_every", "lr"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -766,7 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         png_path = args.out / f"{args.name}.png"
         plot(results, target, png_path,
              f"digits MLP ({trainer.num_params:,} params), {n} ranks, {mode}, "
-             f"{args.batch_per_rank} samples/rank/step, {args.optimizer}")
+             f"{args.batch_per_rank} samples/rank/step, {args.optimizer}"
+             + (f", digits shifted by up to {args.shift} px" if args.shift
+                else ""))
         log(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -64,7 +64,7 @@ def test_optimizer_choice_and_default_learning_rates():
     _, state = opt.update(g, state)
     second, _ = opt.update(g, state)
     assert second == pytest.approx([-0.02 * 1.9 * 2.0] * 3)
-    for bad in (["--lr", "0"], ["--shift", "-1"]):
+    for bad in (["--lr", "0"], ["--shift", "-1"], ["--parts", "-2"]):
         with pytest.raises(SystemExit):
             tta.parse_args(bad)
 
