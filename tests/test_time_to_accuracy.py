@@ -3,7 +3,12 @@
 import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import skipreduce_jax as sr
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import time_to_accuracy as tta  # noqa: E402
@@ -57,7 +62,6 @@ def test_optimizer_choice_and_default_learning_rates():
     assert tta.parse_args(["--optimizer", "sgd", "--lr", "0.5"]).lr == 0.5
     # SGD with momentum: the second update of a constant gradient g is
     # -lr * (1 + 0.9) * g; Adam's would be -lr (sign-like).
-    import jax.numpy as jnp
     opt = tta.make_optimizer(args)
     g = jnp.full((3,), 2.0)
     state = opt.init(g)
@@ -70,7 +74,6 @@ def test_optimizer_choice_and_default_learning_rates():
 
 
 def test_shifted_moves_each_pixel_by_each_offset():
-    import numpy as np
     image = np.zeros((1, 64), np.float32)
     image[0, 3 * 8 + 4] = 1.0                     # pixel (3, 4)
     out = tta.shifted(image, 1)
@@ -86,7 +89,6 @@ def test_shifted_moves_each_pixel_by_each_offset():
 
 
 def test_shifted_data_keeps_the_split_and_the_labels():
-    import numpy as np
     plain, grown = tta.load_data(0), tta.load_data(0, shift=1)
     n_test = len(plain.y_test)
     assert grown.x_test.shape == (9 * n_test, 64)
@@ -113,11 +115,8 @@ def test_parts_times_the_step_and_the_reduction_alone():
 
 
 def test_reduction_only_averages_the_per_rank_gradients():
-    import jax
-    import numpy as np
     args = tta.parse_args(["--hidden", "8", "--layers", "1", "--shift", "0"])
     trainer = tta.Trainer(args, tta.data_mesh())
-    import skipreduce_jax as sr
     tx = tta.make_variants(args)["all-reduce"].make()
     params = sr.replicate(trainer.params0, trainer.mesh)
     state = sr.init_opt_state(tx, params, trainer.mesh, tta.AXIS)
