@@ -267,7 +267,7 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
 
     def copy_piece(t, out):
         back, column = t // columns + 1, t % columns
-        slot = (rank - back + schedule.offsets[column]) % n
+        slot = schedule.slots_in_chunk(rank - back)[column]
         start = (0, slot, column, 0)
         piece = lax.dynamic_slice(pieces, start, (inner, 1, 1, pieces.shape[-1]))
         return lax.dynamic_update_slice(out, piece, start)

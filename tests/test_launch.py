@@ -72,6 +72,40 @@ def _wait_for_pids(pid_dir: Path, count: int, timeout: float = 60.0) -> list[int
     raise AssertionError(f"only {reported} of {count} processes reported their pids")
 
 
+# --------------------------------------------------------------------------
+# Multi-process JAX: device counts and cross-process collectives.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes, devices_per_process", [(2, 2), (4, 1)])
+def test_collectives_across_processes(num_processes: int, devices_per_process: int) -> None:
+    proc, _ = _run_launcher(
+        "-n",
+        str(num_processes),
+        "--devices-per-process",
+        str(devices_per_process),
+        "--timeout",
+        "100",
+        str(COLLECTIVE),
+        str(num_processes),
+        str(devices_per_process),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = launcher_results(proc.stdout)
+    assert sorted(results) == list(range(num_processes)), proc.stdout
+    n = num_processes * devices_per_process
+    for rank, result in results.items():
+        assert result["index"] == str(rank)
+        assert result["count"] == str(num_processes)
+        assert result["devices"] == str(n)
+        assert result["local"] == str(devices_per_process)
+        assert result["psum"] == str(devices_per_process * num_processes * (num_processes + 1) // 2)
+        assert result["gloo"] == "None"
+    # Shifted values over all processes: every global position exactly once.
+    shifted = sorted(int(v) for r in results.values() for v in r["shifted"].split(","))
+    assert shifted == list(range(n))
+
+
 def _gloo_addresses(stdout: str) -> dict[int, str]:
     pattern = r"^\[p\d+\] GLOO_ADDRESSES index=(\d+) (\S*)$"
     return {int(m.group(1)): m.group(2) for m in re.finditer(pattern, stdout, re.M)}
