@@ -22,6 +22,14 @@ as ``python -m skipreduce_jax.launch`` would set them, which binds to
 ``benchmarks/collectives.py`` in multi-process mode; ``--script`` runs another
 script, and arguments after ``--`` are passed to it.
 
+Each process keeps the memory it frees (``--malloc keep``, the default):
+glibc hands blocks of 32 MiB and more back to the kernel when they are
+freed, and XLA:CPU allocates every call's output and temporaries anew, so
+without this every call that returns a 64 MiB buffer faults all of its
+16,384 pages in again, with four "hosts" doing so at once on the same cores.
+That cost lands on whichever variant allocates most, not on the network.
+``--malloc glibc`` runs with glibc's defaults. See :data:`KEEP_MEMORY`.
+
 After the job, the tbf counters (bytes, drops) and the TCP retransmissions
 of each host are printed. ``--sysctl net.NAME=VALUE`` sets a network setting
 in every host namespace (e.g. TCP buffer sizes) to test its effect.
@@ -75,6 +83,13 @@ LOCK_PATH = Path("/run/lock" if os.path.isdir("/run/lock") else "/tmp") / f"{PRE
 EXIT_MISSING = 2
 EXIT_TIMEOUT = 124
 MIN_BURST_BYTES = 256 * 1024
+
+# glibc settings of each host's process for --malloc keep: never return
+# freed memory to the kernel (no mmap for large blocks, no trimming of the
+# heap) and keep one heap for all threads, so that a freed 64 MiB buffer is
+# reused by the next call instead of being faulted in again.
+KEEP_MEMORY = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshold=4294967295",
+               "glibc.malloc.arena_max=1")
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -409,10 +424,27 @@ def _kill_group(pid: int, signum: int) -> None:
         pass
 
 
-def process_env(i: int, hosts: int, port: int) -> dict[str, str]:
-    """Environment of host ``i``'s process: the SKIPREDUCE_* launcher variables."""
+def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str, str]:
+    """Environment of host ``i``'s process.
+
+    Args:
+        i: the host (process id).
+        hosts: the number of hosts.
+        port: the coordinator's port on host 0.
+        malloc: ``"keep"`` adds :data:`KEEP_MEMORY` to ``GLIBC_TUNABLES``
+            (after any tunables already set, so these win); ``"glibc"``
+            leaves the allocator alone.
+
+    Returns:
+        This process's environment plus the SKIPREDUCE_* launcher variables.
+    """
+    if malloc not in ("keep", "glibc"):
+        raise ValueError(f"malloc={malloc!r}: use 'keep' or 'glibc'")
     env = {k: v for k, v in os.environ.items()
            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")}
+    if malloc == "keep":
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"),
+                                                       *KEEP_MEMORY]))
     env.update({
         "SKIPREDUCE_COORDINATOR": f"{host_address(0)}:{port}",
         "SKIPREDUCE_NUM_PROCESSES": str(hosts),
@@ -453,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sysctl", action="append", default=[], metavar="NAME=VALUE",
                    help="a net.* sysctl set in every host namespace (repeatable), e.g. "
                         "net.ipv4.tcp_slow_start_after_idle=0")
+    p.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
+                   help="keep: each process keeps freed memory for reuse instead of "
+                        "faulting large buffers in on every call (GLIBC_TUNABLES, see "
+                        "KEEP_MEMORY); glibc: the allocator's defaults (default keep)")
     p.add_argument("--sizes", default="16M",
                    help="float32 elements per rank, passed to the script (default 16M)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
@@ -531,11 +567,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cluster: {args.hosts} hosts {host_address(0)}..{host_address(args.hosts - 1)} "
               f"on bridge {SWITCH_NS}/{BRIDGE}; egress tbf rate {args.rate} burst {args.burst} "
               f"latency {args.latency}{' (and ingress)' if args.ingress else ''}; "
-              f"built in {time.monotonic() - t0:.1f} s", flush=True)
+              f"malloc {args.malloc}; built in {time.monotonic() - t0:.1f} s", flush=True)
         network: dict[str, Any] = {
             "hosts": args.hosts, "rate": args.rate, "rate_bit_per_s": rate,
             "burst": args.burst, "latency": args.latency, "ingress_shaped": args.ingress,
             "sysctl": args.sysctl,
+            "malloc": args.malloc,
             "emulation": "network namespaces + veth + Linux bridge + tc tbf",
         }
         if args.probe_mib > 0:
@@ -551,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--breakdown", "--meta", json.dumps({"network": network}), *cmd_args]
         commands = [in_ns(host_ns(i), sys.executable, str(args.script), *cmd_args)
                     for i in range(args.hosts)]
-        envs = [process_env(i, args.hosts, args.port) for i in range(args.hosts)]
+        envs = [process_env(i, args.hosts, args.port, args.malloc) for i in range(args.hosts)]
         job = Job(commands, envs)
         t0 = time.monotonic()
         job.start()

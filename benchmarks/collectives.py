@@ -12,8 +12,14 @@ Every variant is a jitted ``jax.shard_map`` over all devices of a 1-D mesh
 * ``skip-r k``: the same with ``randomize=True`` (Random SkipReduce; the key
   is an argument of the call, a new one per round, as in training),
 * with ``--breakdown``, the parts of ``ring_psum`` alone: one ppermute ring
-  step (size/N elements), the same step as ``--pieces`` ppermutes, and the
-  native all_gather of the N chunks.
+  step (size/N elements), the same step as ``--pieces`` ppermutes, the
+  native all_gather of the N chunks, and Random's reorder pass; and two
+  probes of whether XLA runs a computation while a collective is in
+  flight: the ppermute step and the reorder, independent of each other, in
+  one program, with the reorder as one fusion and as ``--overlap-pieces``
+  fusions. On XLA:CPU they overlap only in pieces: its thunk executor hands
+  work to a second thread only when more than 8 operations are ready at
+  once.
 
 After compiling and ``--warmup`` calls of each variant, ``--rounds`` rounds
 are timed; within a round every variant runs once, in an order shuffled per
@@ -156,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pieces", type=int, default=4,
                    help="with --breakdown: the ring step is also timed as this many ppermutes "
                         "of 1/pieces each, issued together (default 4)")
+    p.add_argument("--overlap-pieces", type=int, default=16,
+                   help="with --breakdown: the reorder beside the ppermute step is also timed "
+                        "as this many independent fusions (default 16)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--no-check", action="store_true",
                    help="skip the check that ring_psum and skip_psum k=0 equal psum")
@@ -198,6 +207,8 @@ PERMUTE_STEP = "1 ppermute step"
 PERMUTE_PIECES = "1 step in pieces"
 ALL_GATHER = "all_gather"
 REORDER = "Random's reorder"
+BESIDE = "step + reorder"
+BESIDE_PIECES = "step + reorder in pieces"
 
 
 def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
@@ -209,7 +220,8 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
         ks: skip counts (None: 0..N-1).
         modes: any of ``"static"`` and ``"random"``.
         breakdown: add one ppermute step and the all_gather of ring_psum,
-            and the reorder pass Random SkipReduce adds after its gather.
+            the reorder pass Random SkipReduce adds after its gather, and
+            the step and the reorder side by side in one program.
 
     Returns:
         The variants in table order.
@@ -227,7 +239,8 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
             variants.append(Variant(f"skip-{tag} k={k}", "skip", k, mode == "random"))
     if breakdown:
         variants += [Variant(PERMUTE_STEP, "part"), Variant(PERMUTE_PIECES, "part"),
-                     Variant(ALL_GATHER, "part"), Variant(REORDER, "part")]
+                     Variant(ALL_GATHER, "part"), Variant(REORDER, "part"),
+                     Variant(BESIDE, "part"), Variant(BESIDE_PIECES, "part")]
     return variants
 
 
@@ -259,12 +272,12 @@ def jax_shape_struct(size: int) -> Any:
 def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
     """(2(N-1)-k)/N of the padded float32 buffer: bytes each device sends.
 
-    For the parts: 1/N of the buffer (one step), (N-1)/N (all_gather) and
-    nothing (the reorder is local).
+    For the parts: 1/N of the buffer (one step, also beside the reorder),
+    (N-1)/N (all_gather) and nothing (the reorder is local).
     """
     if variant.name == REORDER:
         return 0.0
-    if variant.name in (PERMUTE_STEP, PERMUTE_PIECES):
+    if variant.name in (PERMUTE_STEP, PERMUTE_PIECES, BESIDE, BESIDE_PIECES):
         return size // n * 4
     if variant.name == ALL_GATHER:
         return (n - 1) * (size // n) * 4
@@ -272,7 +285,7 @@ def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
 
 
 def build_function(variant: Variant, mesh: Any, gather: str,
-                   pieces: int = 4) -> Callable[..., Any]:
+                   pieces: int = 4, overlap_pieces: int = 16) -> Callable[..., Any]:
     """The jitted shard_map of one variant, called as ``f(x, key_data)``.
 
     ``x`` is sharded over the mesh axis (``size`` elements per device) and
@@ -280,7 +293,10 @@ def build_function(variant: Variant, mesh: Any, gather: str,
     SkipReduce only, so that its schedule is computed at run time as in
     training, not folded into constants). The output is replicated (for
     the ppermute parts: sharded). ``pieces``: how many ppermutes the
-    ``PERMUTE_PIECES`` part splits one ring step into.
+    ``PERMUTE_PIECES`` part splits one ring step into; ``overlap_pieces``:
+    how many independent fusions ``BESIDE_PIECES`` splits the reorder into
+    (its outputs stay separate arrays, as a concatenation would be another
+    pass).
     """
     import jax
     import jax.numpy as jnp
@@ -290,19 +306,34 @@ def build_function(variant: Variant, mesh: Any, gather: str,
     import skipreduce_jax as sr
 
     n = mesh.shape[AXIS]
+    ring_perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def reorder_pieces(x: Any, key: Any, count: int) -> list[Any]:
+        # The reorder skip_psum runs for this buffer (same sub-chunks), cut
+        # into `count` independent pieces along each sub-chunk.
+        from skipreduce_jax import _ring
+        from skipreduce_jax._buckets import plan_buckets
+
+        bucket = plan_buckets(jax_shape_struct(x.shape[0]), group_size=n).buckets[0]
+        schedule = sr.make_schedule(n, num_skip=1, key=jax.random.wrap_key_data(key),
+                                    chunks_per_rank=bucket.chunks_per_rank)
+        x = jnp.pad(x, (0, bucket.padded_size - x.shape[0]))
+        by_chunk = x.reshape(n, bucket.chunks_per_rank, -1)
+        edges = [by_chunk.shape[2] * j // count for j in range(count + 1)]
+        return [_ring.put_in_slot_order(by_chunk[:, :, a:b], schedule).reshape(-1)
+                for a, b in zip(edges[:-1], edges[1:])]
+
     if variant.name == PERMUTE_STEP:
         def body(x: Any, key: Any) -> Any:
             del key
-            chunk = x[: x.shape[0] // n]
-            return lax.ppermute(chunk, AXIS, [(i, (i + 1) % n) for i in range(n)])
+            return lax.ppermute(x[: x.shape[0] // n], AXIS, ring_perm)
         out_spec = P(AXIS)
     elif variant.name == PERMUTE_PIECES:
         def body(x: Any, key: Any) -> Any:
             del key
             chunk = x[: x.shape[0] // n]
             edges = [chunk.shape[0] * j // pieces for j in range(pieces + 1)]
-            perm = [(i, (i + 1) % n) for i in range(n)]
-            return jnp.concatenate([lax.ppermute(chunk[a:b], AXIS, perm)
+            return jnp.concatenate([lax.ppermute(chunk[a:b], AXIS, ring_perm)
                                     for a, b in zip(edges[:-1], edges[1:])])
         out_spec = P(AXIS)
     elif variant.name == ALL_GATHER:
@@ -310,18 +341,17 @@ def build_function(variant: Variant, mesh: Any, gather: str,
             del key
             return lax.all_gather(x[: x.shape[0] // n], AXIS, tiled=True, to="invarying")
     elif variant.name == REORDER:
-        from skipreduce_jax import _ring
-        from skipreduce_jax._buckets import plan_buckets
+        def body(x: Any, key: Any) -> Any:
+            return reorder_pieces(x, key, 1)[0]
+        out_spec = P(AXIS)
+    elif variant.name in (BESIDE, BESIDE_PIECES):
+        count = 1 if variant.name == BESIDE else overlap_pieces
 
         def body(x: Any, key: Any) -> Any:
-            # The reorder skip_psum runs for this buffer (same sub-chunks).
-            bucket = plan_buckets(jax_shape_struct(x.shape[0]), group_size=n).buckets[0]
-            schedule = sr.make_schedule(n, num_skip=1, key=jax.random.wrap_key_data(key),
-                                        chunks_per_rank=bucket.chunks_per_rank)
-            x = jnp.pad(x, (0, bucket.padded_size - x.shape[0]))
-            return _ring.put_in_slot_order(x.reshape(n, bucket.chunks_per_rank, -1),
-                                           schedule).reshape(-1)
-        out_spec = P(AXIS)
+            # Neither output depends on the other: XLA may run them at once.
+            step = lax.ppermute(x[: x.shape[0] // n], AXIS, ring_perm)
+            return (step, *reorder_pieces(x, key, count))
+        out_spec = (P(AXIS),) * (1 + count)
     elif variant.kind == "psum":
         def body(x: Any, key: Any) -> Any:
             del key
@@ -335,7 +365,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
             return sr.skip_psum(x, AXIS, key=key if variant.randomize else None,
                                 num_skip=variant.num_skip, randomize=variant.randomize,
                                 gather=gather)
-    if variant.name not in (PERMUTE_STEP, PERMUTE_PIECES, REORDER):
+    if variant.kind != "part" or variant.name == ALL_GATHER:
         out_spec = P()
     # gather="ring" returns values equal on every rank but typed varying, so
     # the replicated out_specs cannot be checked statically.
@@ -445,7 +475,7 @@ class Harness:
         """Seconds from the barrier to this process's result being ready."""
         self.barrier()
         start = time.perf_counter()
-        fn(x, key).block_until_ready()
+        self.jax.block_until_ready(fn(x, key))
         return time.perf_counter() - start
 
     def gather_times(self, times: np.ndarray) -> np.ndarray:
@@ -482,7 +512,7 @@ def time_size(h: Harness, size: int, variants: Sequence[Variant], args: argparse
     fns, rows = [], []
     t0 = time.perf_counter()
     for variant in variants:
-        fn = build_function(variant, h.mesh, args.gather, args.pieces)
+        fn = build_function(variant, h.mesh, args.gather, args.pieces, args.overlap_pieces)
         compiled = fn.lower(x, keys[0]).compile()
         traffic = collective_traffic(compiled.as_text())
         expected = expected_wire_bytes(size, h.n, variant)
@@ -500,7 +530,7 @@ def time_size(h: Harness, size: int, variants: Sequence[Variant], args: argparse
         })
         fns.append(fn)
         for _ in range(args.warmup):
-            fn(x, keys[0]).block_until_ready()
+            h.jax.block_until_ready(fn(x, keys[0]))
     log(f"  compiled and warmed up {len(variants)} variants in "
         f"{time.perf_counter() - t0:.1f} s")
 
@@ -600,7 +630,32 @@ def breakdown_summary(rows: Sequence[dict[str, Any]], n: int, gather: str) -> st
         reorder = by_name[REORDER]["seconds"]
         text += (f"\n           Random's reorder alone {reorder * 1e3:.1f} ms "
                  f"({reorder / ring:.3f} of ring_psum)")
+        if BESIDE in by_name and BESIDE_PIECES in by_name:
+            text += "\n" + overlap_summary(step, reorder, by_name[BESIDE]["seconds"],
+                                           by_name[BESIDE_PIECES]["seconds"])
     return text
+
+
+def overlap_summary(step: float, reorder: float, one: float, pieces: float) -> str:
+    """How much of the reorder hid behind the ppermute step in one program.
+
+    Args:
+        step: one ppermute step alone, in seconds.
+        reorder: the reorder alone.
+        one: both in one program, the reorder as one fusion.
+        pieces: both, the reorder as independent fusions.
+
+    Returns:
+        One line: the times and the share of the reorder hidden, i.e.
+        ``(step + reorder - together) / reorder`` (0: run one after the other,
+        1: the reorder fully hidden).
+    """
+    def hidden(together: float) -> str:
+        return f"{(step + reorder - together) / reorder:.0%}" if reorder > 0 else "-"
+
+    return (f"overlap:   step + reorder run apart {(step + reorder) * 1e3:.1f} ms; in one "
+            f"program {one * 1e3:.1f} ms (reorder hidden {hidden(one)}), with the reorder "
+            f"in pieces {pieces * 1e3:.1f} ms (hidden {hidden(pieces)})")
 
 
 def fmt_load(load: Sequence[float]) -> str:
@@ -656,8 +711,8 @@ def plot(rows: Sequence[dict[str, Any]], n: int, path: Path, title: str) -> None
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.pieces < 1:
-        raise SystemExit("--rounds and --pieces must be >= 1 and --warmup >= 0")
+    if args.rounds < 1 or args.warmup < 0 or args.pieces < 1 or args.overlap_pieces < 1:
+        raise SystemExit("--rounds, --pieces and --overlap-pieces must be >= 1 and --warmup >= 0")
     multiprocess = configure(args)
 
     import jax
@@ -689,6 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing": "per call: barrier (tiny psum), then the call until block_until_ready; "
                   "the max over processes; median/IQR over interleaved rounds",
         "load_average_start": os.getloadavg(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "source": source_version(),
     }
     if args.meta:

@@ -710,7 +710,8 @@ def write_json(args: argparse.Namespace, trainer: Trainer,
                 for k, v in vars(args).items()}
     settings.update(ranks=trainer.n, processes=jax.process_count(),
                     platform=trainer.mesh.devices.flat[0].platform,
-                    params=trainer.num_params, **config)
+                    params=trainer.num_params,
+                    glibc_tunables=os.environ.get("GLIBC_TUNABLES"), **config)
     path = args.out / f"{args.name}.json"
     with open(path, "w") as f:
         json.dump(dict(config=settings, **payload), f, indent=1)

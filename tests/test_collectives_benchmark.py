@@ -1,0 +1,81 @@
+"""The collective benchmark's ring parts and overlap probes compute what
+they claim to time."""
+
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks import collectives as cb  # noqa: E402
+import skipreduce_jax as sr  # noqa: E402
+from skipreduce_jax._buckets import plan_buckets  # noqa: E402
+from skipreduce_jax._ring import put_in_slot_order  # noqa: E402
+
+N = 8
+SIZE = 8 * 1024  # elements per rank: 4 sub-chunks of 256 per slot
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((N,), (cb.AXIS,))
+
+
+def _inputs(mesh):
+    x = np.random.default_rng(0).standard_normal(N * SIZE).astype(np.float32)
+    key = np.array([3, 7], np.uint32)
+    return (x, jax.device_put(x, NamedSharding(mesh, P(cb.AXIS))),
+            jax.device_put(key, NamedSharding(mesh, P())))
+
+
+def _per_rank(out):
+    """A sharded output as ``[N, elements per rank]``."""
+    return np.asarray(out).reshape(N, -1)
+
+
+def test_breakdown_lists_the_overlap_probes():
+    names = [v.name for v in cb.make_variants(N, [0], ["static"], breakdown=True)]
+    assert names[-2:] == [cb.BESIDE, cb.BESIDE_PIECES]
+    for name in (cb.BESIDE, cb.BESIDE_PIECES):
+        # One ring step of traffic; the reorder sends nothing.
+        assert cb.expected_wire_bytes(SIZE, N, cb.Variant(name, "part")) == SIZE // N * 4
+
+
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_step_beside_reorder_returns_the_step_and_the_reorder(mesh, pieces):
+    x, xs, key = _inputs(mesh)
+    name = cb.BESIDE if pieces == 1 else cb.BESIDE_PIECES
+    outs = cb.build_function(cb.Variant(name, "part"), mesh, "native",
+                             overlap_pieces=pieces)(xs, key)
+    assert len(outs) == 1 + pieces
+    step = _per_rank(outs[0])
+    ranks = x.reshape(N, SIZE)
+    # Rank r received the first 1/N of rank r - 1's buffer.
+    np.testing.assert_array_equal(step, np.roll(ranks[:, : SIZE // N], 1, axis=0))
+
+    reorder = _per_rank(cb.build_function(cb.Variant(cb.REORDER, "part"), mesh,
+                                          "native")(xs, key))
+    bucket = plan_buckets(cb.jax_shape_struct(SIZE), group_size=N).buckets[0]
+    assert bucket.padded_size == SIZE and bucket.chunks_per_rank > 1
+    schedule = sr.make_schedule(N, num_skip=1, key=jax.random.wrap_key_data(key),
+                                chunks_per_rank=bucket.chunks_per_rank)
+    expected = np.stack([np.asarray(put_in_slot_order(
+        ranks[r].reshape(N, bucket.chunks_per_rank, -1), schedule)).reshape(-1)
+        for r in range(N)])
+    np.testing.assert_array_equal(reorder, expected)
+    # Pieces cut every sub-chunk; put back together they are the reorder.
+    parts = [_per_rank(out).reshape(N, N, bucket.chunks_per_rank, -1) for out in outs[1:]]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=3).reshape(N, SIZE), reorder)
+    assert not np.array_equal(reorder, ranks), "the reorder moved nothing"
+
+
+def test_overlap_summary_reports_the_hidden_share():
+    line = cb.overlap_summary(step=0.100, reorder=0.050, one=0.150, pieces=0.100)
+    assert "apart 150.0 ms" in line
+    assert "150.0 ms (reorder hidden 0%)" in line
+    assert "100.0 ms (hidden 100%)" in line
+    assert "hidden 50%" in cb.overlap_summary(0.1, 0.05, 0.125, 0.125)
