@@ -19,7 +19,11 @@ Adam: ``--optimizer``; with Adam, Random SkipReduce needs more steps, see
 * ``random+ef``: Random SkipReduce with error feedback;
 * ``topk``: top-k sparsification (``--density``, 1%) with error memory;
 * ``powersgd``: rank-``--rank`` (4) PowerSGD with error feedback, after
-  ``--powersgd-warmup`` steps of plain all-reduce.
+  ``--powersgd-warmup`` steps of plain all-reduce;
+* ``static`` (only when asked for): static SkipReduce, the same skipped
+  steps as ``random`` but always the same ranks dropped per element. It
+  shows what randomization costs in a step and what its bias costs in
+  accuracy.
 
 The test accuracy is measured every ``--eval-every`` seconds of training
 time. The training clock stops during evaluations, and every step function
@@ -98,8 +102,10 @@ AXIS = "data"
 NUM_CLASSES = 10
 #: The order variants run in (``all-reduce`` first: its final accuracy is the
 #: target of the others).
-ALL_VARIANTS = ("all-reduce", "random", "selective", "random+ef", "topk",
+ALL_VARIANTS = ("all-reduce", "random", "static", "selective", "random+ef", "topk",
                 "powersgd")
+#: What runs without ``--variants``.
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "static")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _STATS_BYTES = 8  # the step's float32 [loss, clock] all-reduce
 
@@ -211,6 +217,7 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
     specs = {
         "all-reduce": skip(num_skip=0, min_size=0),
         "random": skip(skip_ratio=ratio, min_size=0),
+        "static": skip(skip_ratio=ratio, min_size=0, randomize=False),
         "selective": skip(skip_ratio=ratio, selective=sr.exclude("Dense_0")),
         "random+ef": skip(skip_ratio=ratio, min_size=0, error_feedback=True),
         "topk": (topk_make,
@@ -636,9 +643,9 @@ def plot(results: dict[str, dict[str, Any]], target: float | None,
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated, from: " + ", ".join(ALL_VARIANTS)
-                   + " (default: all)")
+                   + " (default: all but static)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="training seconds per variant (default 60)")
     p.add_argument("--eval-every", type=float, default=2.0,

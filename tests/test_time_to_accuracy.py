@@ -125,3 +125,30 @@ def test_reduction_only_averages_the_per_rank_gradients():
     for u, p in zip(jax.tree_util.tree_leaves(updates),
                     jax.tree_util.tree_leaves(trainer.params0)):
         np.testing.assert_allclose(np.asarray(u), (n + 1) / 2 * p, rtol=1e-6)
+
+
+def test_static_runs_only_when_asked_and_drops_the_same_ranks_every_step():
+    assert "static" not in tta.parse_args([]).variants
+    args = tta.parse_args(["--hidden", "8", "--layers", "1", "--shift", "0",
+                           "--variants", "static,random"])
+    assert args.variants == ["random", "static"]
+    trainer = tta.Trainer(args, tta.data_mesh())
+    variants = tta.make_variants(args)
+    assert (variants["static"].formula_bytes(trainer.params0, trainer.n)
+            == variants["random"].formula_bytes(trainer.params0, trainer.n))
+    params = sr.replicate(trainer.params0, trainer.mesh)
+
+    def two_steps(name):
+        tx = variants[name].make()
+        state = sr.init_opt_state(tx, params, trainer.mesh, tta.AXIS)
+        reduce = tta.reduction_only(tx, trainer.mesh)
+        first, state = reduce(params, state)
+        second, _ = reduce(params, state)
+        return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((first, second))]
+
+    leaves = len(jax.tree_util.tree_leaves(trainer.params0))
+    static, random = two_steps("static"), two_steps("random")
+    for a, b in zip(static[:leaves], static[leaves:]):
+        np.testing.assert_array_equal(a, b)      # the same ranks every step
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(random[:leaves], random[leaves:]))
