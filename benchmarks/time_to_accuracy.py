@@ -78,6 +78,7 @@ import math
 import os
 import pathlib
 import sys
+import textwrap
 import time
 from typing import Any, Callable, Sequence
 
@@ -634,7 +635,7 @@ def plot(results: dict[str, dict[str, Any]], target: float | None,
     ax.set_ylim(0.0 if target is None else max(0.0, target - 0.15), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 90), fontsize=10)  # long titles: wrap
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
