@@ -13,7 +13,10 @@ Every variant is a jitted ``jax.shard_map`` over all devices of a 1-D mesh
   is an argument of the call, a new one per round, as in training),
 * with ``--breakdown``, the parts of ``ring_psum`` alone: one ppermute ring
   step (size/N elements), the same step as ``--pieces`` ppermutes, the
-  native all_gather of the N chunks, and Random's reorder pass; and two
+  native all_gather of the N chunks, and Random's reorder pass (on a copy
+  of the input: the pass runs in place, and the input is not donated, so
+  this probe overstates it; Random's cost in the collective is the
+  difference to static that the run also prints); and two
   probes of whether XLA runs a computation while a collective is in
   flight: the ppermute step and the reorder, independent of each other, in
   one program, with the reorder as one fusion and as ``--overlap-pieces``
@@ -636,6 +639,30 @@ def breakdown_summary(rows: Sequence[dict[str, Any]], n: int, gather: str) -> st
     return text
 
 
+def randomization_summary(rows: Sequence[dict[str, Any]]) -> str | None:
+    """What Random SkipReduce costs over static at each k both modes ran.
+
+    Args:
+        rows: the rows of one size.
+
+    Returns:
+        One line (None without both modes at some k >= 1): the difference of
+        the medians in ms and relative to static.
+    """
+    by_name = {r["name"]: r for r in rows}
+    cells = []
+    for r in rows:
+        if r["kind"] != "skip" or r["mode"] != "static" or r["num_skip"] == 0:
+            continue
+        random_row = by_name.get(f"skip-r k={r['num_skip']}")
+        if random_row is None:
+            continue
+        extra = random_row["seconds"] - r["seconds"]
+        cells.append(f"k={r['num_skip']} {extra * 1e3:+.1f} ms "
+                     f"({extra / r['seconds']:+.1%})")
+    return "random - static: " + ", ".join(cells) if cells else None
+
+
 def overlap_summary(step: float, reorder: float, one: float, pieces: float) -> str:
     """How much of the reorder hid behind the ppermute step in one program.
 
@@ -769,9 +796,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = time_size(h, size, variants, args, log)
         rows += at
         log(format_table(at, (meta.get("network") or {}).get("rate_bit_per_s")))
-        summary = breakdown_summary(at, h.n, args.gather)
-        if summary:
-            log(summary)
+        for summary in (randomization_summary(at),
+                        breakdown_summary(at, h.n, args.gather)):
+            if summary:
+                log(summary)
 
     if not leader:
         return 0

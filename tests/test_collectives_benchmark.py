@@ -79,3 +79,18 @@ def test_overlap_summary_reports_the_hidden_share():
     assert "150.0 ms (reorder hidden 0%)" in line
     assert "100.0 ms (hidden 100%)" in line
     assert "hidden 50%" in cb.overlap_summary(0.1, 0.05, 0.125, 0.125)
+
+
+def test_randomization_summary_compares_random_with_static_at_each_k():
+    rows = [{"name": name, "kind": kind, "mode": mode, "num_skip": k, "seconds": t}
+            for name, kind, mode, k, t in [
+                ("psum", "psum", "psum", 0, 1.0),
+                ("skip-s k=0", "skip", "static", 0, 1.0),
+                ("skip-s k=1", "skip", "static", 1, 0.400),
+                ("skip-s k=2", "skip", "static", 2, 0.300),
+                ("skip-r k=0", "skip", "random", 0, 1.1),
+                ("skip-r k=1", "skip", "random", 1, 0.410),
+                ("skip-r k=2", "skip", "random", 2, 0.297)]]
+    assert cb.randomization_summary(rows) == (
+        "random - static: k=1 +10.0 ms (+2.5%), k=2 -3.0 ms (-1.0%)")
+    assert cb.randomization_summary(rows[:4]) is None
