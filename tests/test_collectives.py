@@ -114,6 +114,32 @@ def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
         assert not np.array_equal(native[0], x.sum(0))  # something was dropped
 
 
+@pytest.mark.parametrize("randomize", [True, False])
+def test_derivatives_are_those_of_psum_of_the_kept_values(randomize):
+    # skip_psum is the linear map x -> psum(x * mask): jvp and grad through it
+    # are that map's (the reorder loop must stay differentiable), and vmap
+    # maps it over a batch.
+    n, k = 4, 2
+    rng = np.random.default_rng(7)
+    x, w, t = (rng.normal(size=(n, 3000)).astype(np.float32) for _ in range(3))
+
+    def f(args):
+        v, w, t = args
+        kw = dict(key=jax.random.key(11), num_skip=k, randomize=randomize,
+                  chunks_per_rank=16)
+        skip = lambda v: sr.skip_psum(v, "i", **kw)  # noqa: E731
+        ref = lambda v: lax.psum(v * sr.contribution_mask(v, "i", **kw), "i")  # noqa: E731
+        grads = [jax.grad(lambda v, g=g: jnp.sum(w * g(v)))(v) for g in (skip, ref)]
+        tangents = [jax.jvp(g, (v,), (t,))[1] for g in (skip, ref)]
+        return (*grads, *tangents, jax.vmap(skip)(jnp.stack([v, t])), skip(t))
+
+    grad, grad_ref, tangent, tangent_ref, both, skip_t = per_rank(f, (x, w, t), n=n)
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tangent, tangent_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(both[:, 1], skip_t)  # vmap: one call per item
+    assert not np.allclose(grad, np.broadcast_to(w.sum(0), grad.shape))  # dropped
+
+
 def _patterns(keys, *, k, randomize, n=8, size=2048, chunks=None):
     """Sums of bit inputs for many keys, computed inside one lax.scan."""
     def f(v, keys):
