@@ -13,10 +13,7 @@ Every variant is a jitted ``jax.shard_map`` over all devices of a 1-D mesh
   is an argument of the call, a new one per round, as in training),
 * with ``--breakdown``, the parts of ``ring_psum`` alone: one ppermute ring
   step (size/N elements), the same step as ``--pieces`` ppermutes, the
-  native all_gather of the N chunks, and Random's reorder pass (on a copy
-  of the input: the pass runs in place, and the input is not donated, so
-  this probe overstates it; Random's cost in the collective is the
-  difference to static that the run also prints); and two
+  native all_gather of the N chunks, and Random's reorder pass; and two
   probes of whether XLA runs a computation while a collective is in
   flight: the ppermute step and the reorder, independent of each other, in
   one program, with the reorder as one fusion and as ``--overlap-pieces``

@@ -148,43 +148,8 @@ def put_in_slot_order(by_chunk: jax.Array, schedule: SkipSchedule) -> jax.Array:
     r to end on rank r, and rank r's chunk always sums ranks r - T, ..., r
     (the static pattern). Randomizing which ranks an element drops therefore
     means moving it after the gather.
-
-    The pass rolls, in place, only the columns whose offset is not zero (on
-    average (N - 1) / N of them): column j's N pieces are rolled by
-    ``offsets[j]`` through a small temporary and written back. An XLA
-    gather into a new buffer computes an index per element; with four
-    processes sharing two CPU cores it took twice as long. The loop's length
-    depends on the offsets, which reverse-mode autodiff cannot go through,
-    so derivatives take the gather form of the same linear map.
     """
     if not schedule.randomized:
         return by_chunk
-    return _roll_columns(by_chunk, schedule.offsets)
-
-
-@jax.custom_jvp
-def _roll_columns(by_chunk: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Rolls column j of ``[N, C, m]`` by ``offsets[j]`` along N, in place."""
-    n = by_chunk.shape[0]
-    # The columns to move first; stable, so the loop's order is fixed.
-    order = jnp.argsort(offsets == 0, stable=True)
-
-    def roll(i, out):
-        column = order[i]
-        pieces = lax.dynamic_slice_in_dim(out, column, 1, 1)  # [N, 1, m]
-        # Slot s holds ring chunk s - offset.
-        rolled = lax.dynamic_slice_in_dim(
-            jnp.concatenate([pieces, pieces]), n - offsets[column], n, 0)
-        return lax.dynamic_update_slice_in_dim(out, rolled, column, 1)
-
-    return lax.fori_loop(0, jnp.count_nonzero(offsets), roll, by_chunk)
-
-
-@_roll_columns.defjvp
-def _roll_columns_jvp(primals, tangents):
-    by_chunk, offsets = primals
-    n, columns = by_chunk.shape[:2]
-    slots = jnp.arange(n)[:, None]
-    # The same map as a gather, which autodiff can transpose.
-    by_slot = lambda x: x[(slots - offsets) % n, jnp.arange(columns)]  # noqa: E731
-    return _roll_columns(by_chunk, offsets), by_slot(tangents[0])
+    columns = jnp.arange(schedule.chunks_per_rank)[None, :]
+    return by_chunk[schedule.chunk_of_slot(), columns]
