@@ -117,7 +117,7 @@ def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
 @pytest.mark.parametrize("randomize", [True, False])
 def test_derivatives_are_those_of_psum_of_the_kept_values(randomize):
     # skip_psum is the linear map x -> psum(x * mask): jvp and grad through it
-    # are that map's (the reorder loop must stay differentiable), and vmap
+    # are that map's (through the ring, the all-gather and the reorder), and vmap
     # maps it over a batch.
     n, k = 4, 2
     rng = np.random.default_rng(7)
