@@ -646,17 +646,13 @@ def randomization_summary(rows: Sequence[dict[str, Any]]) -> str | None:
         One line (None without both modes at some k >= 1): the difference of
         the medians in ms and relative to static.
     """
-    by_name = {r["name"]: r for r in rows}
+    skip = {(r["mode"], r["num_skip"]): r["seconds"] for r in rows if r["kind"] == "skip"}
     cells = []
-    for r in rows:
-        if r["kind"] != "skip" or r["mode"] != "static" or r["num_skip"] == 0:
+    for (mode, k), static in skip.items():
+        if mode != "static" or k == 0 or ("random", k) not in skip:
             continue
-        random_row = by_name.get(f"skip-r k={r['num_skip']}")
-        if random_row is None:
-            continue
-        extra = random_row["seconds"] - r["seconds"]
-        cells.append(f"k={r['num_skip']} {extra * 1e3:+.1f} ms "
-                     f"({extra / r['seconds']:+.1%})")
+        extra = skip["random", k] - static
+        cells.append(f"k={k} {extra * 1e3:+.1f} ms ({extra / static:+.1%})")
     return "random - static: " + ", ".join(cells) if cells else None
 
 
