@@ -124,6 +124,15 @@ def burst_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def _checked(parse):
+    """An argparse type that keeps the text once ``parse`` accepts it."""
+    def check(text: str) -> str:
+        parse(text)
+        return text
+    check.__name__ = parse.__name__  # argparse names it in its error
+    return check
+
+
 def host_ns(i: int) -> str:
     """Namespace of host ``i``."""
     return f"{PREFIX}-h{i}"
@@ -474,10 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "rate-limited bridge (needs root and iproute2).",
         epilog="Arguments after -- go to the script.")
     p.add_argument("--hosts", type=int, default=4, help="hosts (namespaces), >= 2 (default 4)")
-    p.add_argument("--rate", default="1gbit",
+    p.add_argument("--rate", default="1gbit", type=_checked(rate_bits),
                    help="egress rate of each host's NIC, tc syntax (default 1gbit; 8 hosts on "
                         "2 cores need ~500mbit to stay network-bound)")
-    p.add_argument("--burst", default="256kb",
+    p.add_argument("--burst", default="256kb", type=_checked(burst_bytes),
                    help="tbf burst, tc syntax (kb = KiB), at least 256kb (default 256kb)")
     p.add_argument("--latency", default="50ms", help="tbf queue latency (default 50ms)")
     p.add_argument("--ingress", action="store_true",
@@ -531,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 2 <= args.hosts <= 250:
         print("cluster.py: --hosts must be in 2..250", file=sys.stderr)
         return 2
-    rate = rate_bits(args.rate)
+    rate = rate_bits(args.rate)  # checked by the parser
     if burst_bytes(args.burst) < MIN_BURST_BYTES:
         print(f"cluster.py: --burst {args.burst} is below 256kb: offloaded 64 KiB packets "
               "would stall in the token bucket", file=sys.stderr)

@@ -13,6 +13,7 @@ native all-gather over the inner axis.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
@@ -23,6 +24,7 @@ from jax import lax
 from skipreduce_jax import _ring
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from skipreduce_jax._schedule import SkipSchedule, make_schedule
+from skipreduce_jax._vma import all_gather_replicated, varying_axes, vma_checked
 
 Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = ("contributors", "world")
@@ -63,6 +65,41 @@ def check_num_skip(num_skip: Any, n: int, *, api: str) -> int:
     return int(num_skip)
 
 
+def check_sizes(chunks_per_rank: Any, bucket_bytes: Any, *, api: str
+                ) -> tuple[int | None, int]:
+    """Checks ``chunks_per_rank`` (None or int >= 1) and ``bucket_bytes``."""
+    for name, value, allow_none in (("chunks_per_rank", chunks_per_rank, True),
+                                    ("bucket_bytes", bucket_bytes, False)):
+        if value is None and allow_none:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (int, np.integer)) or value < 1:
+            raise ValueError(
+                f"{api}: {name}={value!r} must be a positive int"
+                + (" or None (choose from the bucket size)." if allow_none
+                   else "."))
+    return (None if chunks_per_rank is None else int(chunks_per_rank),
+            int(bucket_bytes))
+
+
+def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
+                           ) -> np.dtype | None:
+    """Checks that ``accumulate_dtype`` is None or a floating-point dtype."""
+    if accumulate_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(accumulate_dtype)
+    except TypeError as e:
+        raise TypeError(
+            f"{api}: accumulate_dtype={accumulate_dtype!r} is not a dtype. Pass "
+            "None (add in the gradients' dtype) or e.g. jnp.float32.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{api}: accumulate_dtype={accumulate_dtype!r} is not a "
+            "floating-point dtype. Pass None or e.g. jnp.float32.")
+    return dtype
+
+
 def check_normalize(normalize: Any, *, api: str) -> str:
     if normalize not in NORMALIZE_CHOICES:
         raise ValueError(
@@ -84,20 +121,6 @@ def as_typed_key(key: Any, *, api: str) -> jax.Array:
         "step count so that it is identical on every rank.")
 
 
-def varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes over which JAX types ``x`` as varying."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def vma_checked(axis_name: str) -> bool:
-    """Whether the enclosing shard_map tracks varying axes (check_vma=True)."""
-    return axis_name in varying_axes(lax.axis_index(axis_name))
-
-
 def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str):
     varying = varying_axes(key) & set(axes)
     if varying:
@@ -108,7 +131,7 @@ def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str):
 
 
 def _check_floating(leaves, api: str):
-    for leaf in leaves:
+    for leaf in map(jnp.asarray, leaves):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(
                 f"{api}: got a leaf of dtype {leaf.dtype} and shape {leaf.shape}; "
@@ -148,15 +171,13 @@ def _plan(
 ) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
     """Checks arguments, plans buckets, and makes one schedule per bucket."""
     n, inner = _axes(axis_name, inner_axis, api)
+    if not isinstance(randomize, (bool, np.bool_)):
+        raise TypeError(f"{api}: randomize={randomize!r} must be a bool (False: "
+                        "static SkipReduce).")
+    tree = jax.tree_util.tree_map(jnp.asarray, tree)
     num_skip = check_num_skip(num_skip, n, api=api)
-    if chunks_per_rank is not None and (
-            not isinstance(chunks_per_rank, int) or chunks_per_rank < 1):
-        raise ValueError(
-            f"{api}: chunks_per_rank={chunks_per_rank!r} must be a positive int "
-            "or None (choose from the bucket size).")
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"{api}: bucket_bytes={bucket_bytes!r} must be a "
-                         "positive int.")
+    chunks_per_rank, bucket_bytes = check_sizes(chunks_per_rank, bucket_bytes,
+                                                api=api)
     needs_key = randomize and num_skip > 0
     if needs_key or key is not None:
         key = as_typed_key(key, api=api)
@@ -206,7 +227,8 @@ def _reduce(
         bucket_bytes=bucket_bytes, api=api)
     if gather not in ("native", "ring"):
         raise ValueError(f"{api}: gather={gather!r} must be 'native' or 'ring'.")
-    leaves = jax.tree_util.tree_leaves(tree)
+    accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
+    leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
     if vma_checked(axis_name):
         # Values typed replicated are summed N times, exactly as psum does.
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
@@ -220,7 +242,7 @@ def _reduce(
         acc_dtype = bucket.dtype
         if accumulate_dtype is not None and jnp.issubdtype(
                 bucket.dtype, jnp.floating):
-            acc_dtype = jnp.dtype(accumulate_dtype)
+            acc_dtype = accumulate_dtype
         if inner_axis is not None:
             buffer = lax.psum_scatter(buffer.astype(acc_dtype), inner_axis,
                                       tiled=True)
@@ -230,22 +252,41 @@ def _reduce(
         if scale is not None:
             shard = shard * jnp.asarray(scale, acc_dtype)
         if shard.dtype != bucket.dtype:
-            # Gather the narrow dtype's bits: XLA would otherwise move the
-            # cast after the all-gather and send the wide type.
-            bits = jnp.dtype(f"uint{8 * bucket.dtype.itemsize}")
-            shard = lax.bitcast_convert_type(shard.astype(bucket.dtype), bits)
-            out = _ring.gather(shard, schedule, axis_name, method=gather)
-            out = lax.bitcast_convert_type(out, bucket.dtype)
+            out = _gather_narrow(axis_name, gather, bucket.dtype, shard,
+                                 schedule)
         else:
             out = _ring.gather(shard, schedule, axis_name, method=gather)
         if inner_axis is not None:
-            out = lax.all_gather(out, inner_axis, tiled=True, to="invarying")
+            out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
     zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
     result = plan.unpack(outputs, fill=zeros)
     if not dropped:
         return result
     return result, plan.unpack(left_out, fill=zeros)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _gather_narrow(axis_name: str, method: _ring.Gather, dtype: np.dtype,
+                   shard: jax.Array, schedule: SkipSchedule) -> jax.Array:
+    """Gathers ``shard`` (summed in a wider dtype) as ``dtype``.
+
+    It gathers the narrow dtype's bits: XLA would otherwise move the cast
+    after the all-gather and send the wide type. Bits have no derivative, so
+    the tangent is gathered as ``dtype`` values (same map, transposable).
+    """
+    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    shard = lax.bitcast_convert_type(shard.astype(dtype), bits)
+    out = _ring.gather(shard, schedule, axis_name, method=method)
+    return lax.bitcast_convert_type(out, dtype)
+
+
+@_gather_narrow.defjvp
+def _gather_narrow_jvp(axis_name, method, dtype, primals, tangents):
+    shard, schedule = primals
+    tangent = _ring.gather(tangents[0].astype(dtype), schedule, axis_name,
+                           method=method)
+    return _gather_narrow(axis_name, method, dtype, shard, schedule), tangent
 
 
 def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
@@ -320,7 +361,7 @@ def ring_psum(
       >>> float(f(x)[0])
       28.0
     """
-    for leaf in jax.tree_util.tree_leaves(x):
+    for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
         if leaf.dtype == jnp.bool_:
             raise TypeError("ring_psum: got a bool leaf; cast it to an integer "
                             "dtype to count, or reduce it with lax.pmax.")
@@ -358,7 +399,9 @@ def skip_psum(
       axis_name: the mesh axis to sum over (the slow one, with
         ``inner_axis``).
       key: a PRNG key identical on every rank (typed, or raw uint32[2]). May
-        be None for ``randomize=False`` or ``num_skip=0``.
+        be None for ``randomize=False`` or ``num_skip=0``. A key that varies
+        over the axis is refused at trace time under ``check_vma=True``;
+        with ``check_vma=False`` JAX's types cannot tell.
       num_skip: k, a Python int in [0, N - 1].
       randomize: False is static SkipReduce: the same k ranks are dropped
         for a given element whatever the key (biased; for comparison).

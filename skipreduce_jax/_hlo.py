@@ -42,6 +42,9 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_EMPTY = re.compile(r"replica_groups=\{\}")
+_PARTITIONS = re.compile(r"^HloModule\b.*?\bnum_partitions=(\d+)", re.M)
+_REPLICAS = re.compile(r"^HloModule\b.*?\breplica_count=(\d+)", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +123,7 @@ def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
     return arrays
 
 
-def _group_size(line: str, kind: str) -> int:
+def _group_size(line: str, kind: str, devices: int) -> int:
     if kind == "collective-permute":
         return 2
     listed = _GROUPS_LIST.search(line)
@@ -129,18 +132,22 @@ def _group_size(line: str, kind: str) -> int:
     iota = _GROUPS_IOTA.search(line)
     if iota:
         return int(iota.group(2))
+    if _GROUPS_EMPTY.search(line):  # no groups listed: all devices
+        return devices
     return 1
 
 
-def _op(kind: str, line: str, result: str, asynchronous: bool, count: int):
+def _op(kind: str, line: str, result: str, asynchronous: bool, count: int,
+        devices: int):
     # Compiled HLO prints operands without shapes, so everything is derived
-    # from the result. An async "-start" op returns (inputs..., outputs...);
-    # a combined synchronous op (several pmeans merged) returns a tuple of
-    # outputs, all of which move.
+    # from the result. An async "-start" op returns (inputs..., outputs...),
+    # except all-reduce-start, which returns its outputs as all-reduce does;
+    # a combined op (several pmeans merged) returns a tuple of outputs, all
+    # of which move.
     arrays = _arrays(result) or [("", ())]
-    if asynchronous:
+    if asynchronous and kind != "all-reduce":
         arrays = arrays[len(arrays) // 2:]
-    group = _group_size(line, kind)
+    group = _group_size(line, kind, devices)
     nbytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
                  for dtype, shape in arrays)
     if kind == "collective-permute":
@@ -173,6 +180,8 @@ def collective_traffic(compiled_text: str) -> Traffic:
         raise ValueError("collective_traffic: no ENTRY computation found; pass "
                          "the text of a compiled program (.compile().as_text()).")
     ops: list[CollectiveOp] = []
+    devices = math.prod(int(m.group(1)) if m else 1 for m in (
+        _PARTITIONS.search(compiled_text), _REPLICAS.search(compiled_text)))
 
     def visit(name: str, multiplier: int, depth: int = 0):
         if depth > 64 or name not in computations:
@@ -185,7 +194,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
             kind = opcode.removesuffix("-start")
             if kind in _KINDS and not opcode.endswith("-done"):
                 ops.append(_op(kind, line, result, opcode.endswith("-start"),
-                               multiplier))
+                               multiplier, devices))
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from skipreduce_jax._schedule import SkipSchedule
+from skipreduce_jax._vma import all_gather_replicated
 
 Gather = Literal["native", "ring"]
 
@@ -91,9 +92,9 @@ def gather(
       schedule: the plan for this buffer.
       axis_name: the ring's axis.
       method: ``"native"`` uses ``lax.all_gather`` (the platform's own
-        all-gather; its result is typed replicated over ``axis_name``, as
-        ``psum``'s is, so it can leave ``shard_map`` with ``out_specs=P()``
-        under ``check_vma=True``). ``"ring"`` uses N - 1 ppermute steps; the
+        all-gather; under ``check_vma=True`` its result is typed replicated
+        over ``axis_name``, as ``psum``'s is, so it can leave ``shard_map``
+        with ``out_specs=P()``). ``"ring"`` uses N - 1 ppermute steps; the
         values are the same on every rank but JAX types them as varying.
 
     Returns:
@@ -101,7 +102,7 @@ def gather(
     """
     n = schedule.axis_size
     if method == "native":
-        by_chunk = lax.all_gather(shard, axis_name, to="invarying")
+        by_chunk = all_gather_replicated(shard, axis_name)
         return put_in_slot_order(by_chunk, schedule).reshape(-1)
     if method != "ring":
         raise ValueError(f"gather={method!r}: use 'native' or 'ring'.")

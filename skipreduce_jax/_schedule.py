@@ -30,6 +30,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The smallest sub-chunk the default granularity creates, and the most
 # sub-chunks per slot it uses.
@@ -143,6 +144,20 @@ def make_schedule(
         >>> s.contribution_matrix().sum(axis=0).tolist()
         [[3], [3], [3], [3]]
     """
+    def is_int(value):
+        return isinstance(value, (int, np.integer)) and not isinstance(
+            value, (bool, np.bool_))
+
+    for name, value in (("axis_size", axis_size),
+                        ("chunks_per_rank", chunks_per_rank)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"make_schedule: {name}={value!r} must be a "
+                             "positive int.")
+    if not is_int(num_skip) or not 0 <= num_skip <= axis_size - 1:
+        raise ValueError(f"make_schedule: num_skip={num_skip!r} must be an int "
+                         f"in [0, {axis_size - 1}] for axis_size={axis_size}.")
+    axis_size, num_skip, chunks_per_rank = (int(axis_size), int(num_skip),
+                                            int(chunks_per_rank))
     randomized = bool(randomize) and num_skip > 0
     if randomized:
         if key is None:

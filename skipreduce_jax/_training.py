@@ -25,6 +25,7 @@ steps queued, XLA's in-process collectives time out waiting for each other.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -274,6 +275,7 @@ def make_train_step(
     axis_name: AxisNames = "data",
     *,
     donate: bool = True,
+    microbatches: int = 1,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Builds the jitted data-parallel training step.
 
@@ -283,6 +285,12 @@ def make_train_step(
     applied. Params stay replicated and bit-identical on every device; the
     returned loss is the mean over ranks.
 
+    With ``microbatches=m`` each rank splits its part of the batch into m
+    equal pieces, averages their local gradients (a ``lax.scan``) and then
+    runs ``tx`` once: gradient accumulation with one reduction per step.
+    (Wrapping ``skip_reduce`` in ``optax.MultiSteps`` would instead reduce
+    on every micro-step, and its accumulator is typed replicated.)
+
     Args:
       loss_fn: ``(params, batch) -> scalar`` on one rank's part of the batch.
       tx: the optimizer.
@@ -291,24 +299,75 @@ def make_train_step(
       axis_name: the data axis; ``(outer, inner)`` for hierarchical
         SkipReduce (match ``skip_reduce(outer, inner_axis=inner)``).
       donate: donate params and state buffers to the step.
+      microbatches: pieces each rank's batch is split into (its leading
+        dimension must divide evenly), their gradients averaged locally.
 
     Returns:
       The jitted step.
     """
     axes = _as_tuple(axis_name)
     batch_spec = P(axes[0] if len(axes) == 1 else axes)
+    if isinstance(microbatches, bool) or not isinstance(
+            microbatches, (int, np.integer)) or microbatches < 1:
+        raise ValueError(f"make_train_step: microbatches={microbatches!r} must "
+                         "be a positive int.")
+    value_and_grad = local_value_and_grad(loss_fn, axes)
+
+    def local_value_and_grads(params, batch):
+        if microbatches == 1:
+            return value_and_grad(params, batch)
+        pieces = jax.tree_util.tree_map(_split(microbatches), batch)
+        first = jax.tree_util.tree_map(lambda x: x[0], pieces)
+        rest = jax.tree_util.tree_map(lambda x: x[1:], pieces)
+
+        def add(total, piece):
+            return jax.tree_util.tree_map(
+                jnp.add, total, value_and_grad(params, piece)), None
+
+        total, _ = lax.scan(add, value_and_grad(params, first), rest)
+        return jax.tree_util.tree_map(lambda x: x / microbatches, total)
 
     def local_step(params, opt_state, batch):
-        loss, grads = local_value_and_grad(loss_fn, axes)(params, batch)
+        loss, grads = local_value_and_grads(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state,
                 lax.pmean(loss, axes))
 
     def step(params, opt_state, batch):
         specs = state_specs(opt_state, axes)
+        _check_per_rank_rows(opt_state, mesh, axes)
         sharded = jax.shard_map(
             local_step, mesh=mesh, in_specs=(P(), specs, batch_spec),
             out_specs=(P(), specs, P()), check_vma=True)
         return sharded(params, opt_state, batch)
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
+    def split(x):
+        if np.ndim(x) == 0 or x.shape[0] % microbatches:
+            raise ValueError(
+                f"make_train_step: a batch leaf of local shape {np.shape(x)} "
+                f"does not split into microbatches={microbatches} equal "
+                "pieces along its leading dimension.")
+        return x.reshape((microbatches, -1) + x.shape[1:])
+    return split
+
+
+def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,
+                         axes: tuple[str, ...]) -> None:
+    """Refuses per-rank state that does not hold one row per rank."""
+    ranks = math.prod(mesh.shape[a] for a in axes)
+    nodes = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
+    for node in nodes:
+        for name in _per_rank_fields(node):
+            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
+                if np.ndim(leaf) == 0 or np.shape(leaf)[0] != ranks:
+                    raise ValueError(
+                        f"make_train_step: opt_state's per-rank field {name!r} "
+                        f"has a leaf of shape {np.shape(leaf)}; it needs one "
+                        f"row per rank over {list(axes)} ({ranks}). Build the "
+                        "state with skipreduce_jax.init_opt_state(tx, params, "
+                        "mesh): tx.init alone makes a single row.")

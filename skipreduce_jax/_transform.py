@@ -41,12 +41,15 @@ class SkipReduceState(NamedTuple):
     Attributes:
       count: int32 step counter; the step's key is ``fold_in(key, count)``.
       key: uint32[2] key data made from ``seed``.
-      fingerprint: uint32 checksum of the settings (all but ``seed`` and
-        ``selective``), so that ranks can check that they agree.
+      fingerprint: uint32 checksum of the settings (all but ``seed``,
+        ``selective`` and ``verify_sync``), so that ranks can check that they
+        agree.
       residual: error feedback only (else ``optax.EmptyState()``): what this
         rank's gradient lost to skipping, added back next step. Each leaf has
         a leading axis of size 1 inside ``shard_map`` (one row per rank,
-        stacked along the data axis outside; see :func:`state_specs`).
+        stacked along the data axis outside; see :func:`state_specs`); a
+        leaf that is never skipped (``selective``, ``min_size``) keeps an
+        empty row, ``[1, 0]``.
     """
 
     count: jax.Array
@@ -69,9 +72,17 @@ class PathSelector:
         self.predicate = predicate
 
     def __call__(self, tree: Any) -> Any:
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: self.predicate(jax.tree_util.keystr(path), leaf),
-            tree)
+        def flag(path, leaf):
+            path = jax.tree_util.keystr(path)
+            value = self.predicate(path, leaf)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(
+                    f"{_API}: the selective predicate returned {value!r} for "
+                    f"{path}; it must return a bool (True: skipping allowed), "
+                    "e.g. bool(re.search(...)).")
+            return bool(value)
+
+        return jax.tree_util.tree_map_with_path(flag, tree)
 
 
 def by_path(predicate: Callable[[str, Any], bool]) -> PathSelector:
@@ -231,13 +242,17 @@ def skip_reduce(
       error_feedback: keep, per rank, what skipping dropped from the local
         gradient and add it to the next step's (beyond the paper). The
         residual lives in the state and varies over ``axis_name``; place it
-        with :func:`state_specs`.
+        with :func:`state_specs`. A step in which any rank's gradient holds
+        a NaN or Inf leaves every residual as it was (one tiny all-reduce
+        per step decides), so a non-finite value is never carried into
+        later steps; use ``check_finite`` to skip that step's update too.
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
         ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
       bucket_bytes: byte cap of one packed gradient buffer.
       accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
-        float32.
+        float32, in the skipped ring and in the full all-reduces alike (they
+        send the wider dtype; the ring's gather sends the gradients' own).
       check_finite: one tiny extra all-reduce per step: if any rank's local
         gradient holds a NaN or Inf, every element of the update becomes NaN
         on every rank. Without it a non-finite value reaches only the
@@ -268,8 +283,12 @@ def skip_reduce(
         key = jax.random.key_data(jax.random.key(config.seed))
         residual = optax.EmptyState()
         if config.error_feedback:
-            residual = jax.tree_util.tree_map(
-                lambda p: _per_rank_zeros(p, config), params)
+            # Leaves that are never skipped keep nothing: an empty row each.
+            leaves, treedef = jax.tree_util.tree_flatten(params)
+            flags = config.skippable(params, params)
+            residual = jax.tree_util.tree_unflatten(treedef, [
+                _per_rank_zeros(p if s else jnp.zeros((0,), p.dtype), config)
+                for p, s in zip(leaves, flags)])
         return SkipReduceState(jnp.zeros((), jnp.int32), key,
                                jnp.uint32(config.fingerprint()), residual)
 
@@ -295,7 +314,9 @@ def _make_config(
         raise ValueError(f"{_API}: num_skip={num_skip!r} must be an int >= 0 "
                          "(at most N - 1, checked at trace time).")
     if skip_ratio is not None and (isinstance(skip_ratio, bool) or not
-                                   isinstance(skip_ratio, (int, float)) or
+                                   isinstance(skip_ratio, (int, float,
+                                                           np.integer,
+                                                           np.floating)) or
                                    not 0.0 <= skip_ratio <= 1.0):
         raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number in "
                          "[0, 1].")
@@ -323,12 +344,23 @@ def _make_config(
     if selective is not None and not callable(selective) and not \
             jax.tree_util.tree_leaves(selective):
         raise ValueError(f"{_API}: selective={selective!r} has no entries.")
+    for name, value in (("randomize", randomize),
+                        ("error_feedback", error_feedback),
+                        ("check_finite", check_finite),
+                        ("verify_sync", verify_sync)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{_API}: {name}={value!r} must be a bool.")
+    chunks_per_rank, bucket_bytes = coll.check_sizes(
+        chunks_per_rank, bucket_bytes, api=_API)
+    accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
 
-    return _Config(axis_name, num_skip, skip_ratio, int(seed), bool(randomize),
-                   normalize, selective, int(min_size), int(warmup_steps),
-                   bool(error_feedback), inner_axis, chunks_per_rank,
-                   bucket_bytes, accumulate_dtype, bool(verify_sync),
-                   bool(check_finite))
+    # Plain Python values, so that equal settings have equal fingerprints.
+    return _Config(
+        axis_name, None if num_skip is None else int(num_skip),
+        None if skip_ratio is None else float(skip_ratio), int(seed),
+        bool(randomize), normalize, selective, int(min_size),
+        int(warmup_steps), bool(error_feedback), inner_axis, chunks_per_rank,
+        bucket_bytes, accumulate_dtype, bool(verify_sync), bool(check_finite))
 
 
 def _axes(config: _Config) -> tuple[str, ...]:
@@ -345,6 +377,20 @@ def _per_rank_zeros(param: Any, config: _Config) -> jax.Array:
     return lax.pcast(zeros, _axes(config), to="varying") if checked else zeros
 
 
+def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],
+                     skippable: list[bool]) -> None:
+    """Refuses residuals that do not fit the leaves they belong to."""
+    for g, r, s in zip(leaves, residuals, skippable):
+        want = (1,) + tuple(g.shape) if s else (1, 0)
+        if tuple(r.shape) != want:
+            raise ValueError(
+                f"{_API}: the error-feedback residual of a gradient of shape "
+                f"{g.shape} has local shape {tuple(r.shape)}, not {want}: the "
+                "state was built for other selective/min_size settings or "
+                "shapes, or outside shard_map. Build it with "
+                "skipreduce_jax.init_opt_state (or tx.init inside shard_map).")
+
+
 def _check_local(leaves: list[jax.Array], config: _Config) -> None:
     """Refuses gradients that autodiff already summed over the data axis."""
     if not coll.vma_checked(config.axis_name):
@@ -354,12 +400,16 @@ def _check_local(leaves: list[jax.Array], config: _Config) -> None:
         if missing:
             raise ValueError(
                 f"{_API}: got a gradient of shape {leaf.shape} that is "
-                f"replicated (invariant) over {sorted(missing)}: autodiff "
-                "already summed it, because the params were replicated inside "
-                "shard_map. Reducing again would double-count. Compute local "
-                "gradients with skipreduce_jax.local_grad / "
-                "local_value_and_grad (they cast params to varying first), or "
-                "jax.grad(loss)(lax.pcast(params, axis, to='varying'), ...).")
+                f"replicated (invariant) over {sorted(missing)}: it was already "
+                "reduced. Usually autodiff summed it, because the params were "
+                "replicated inside shard_map; reducing again would "
+                "double-count. Compute local gradients with "
+                "skipreduce_jax.local_grad / local_value_and_grad (they cast "
+                "params to varying first), or jax.grad(loss)(lax.pcast(params, "
+                "axis, to='varying'), ...). It can also come from replicated "
+                "optimizer state, e.g. optax.MultiSteps' accumulated gradients "
+                "around skip_reduce: accumulate local gradients before "
+                "skip_reduce instead (make_train_step(..., microbatches=m)).")
 
 
 def _update(config: _Config, updates: Any, state: SkipReduceState,
@@ -376,11 +426,13 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
-        leaves = [g + r[0].astype(g.dtype) for g, r in zip(leaves, residuals)]
+        _check_residuals(leaves, residuals, skippable)
+        leaves = [g + r[0].astype(g.dtype) if s else g
+                  for g, r, s in zip(leaves, residuals, skippable)]
     picked = [g for g, s in zip(leaves, skippable) if s]
 
     def full(picked):
-        out = lax.pmean(picked, axes)
+        out = _pmean(picked, axes, config.accumulate_dtype)
         kept = [jnp.zeros_like(g) for g in picked] if residuals else None
         return out, kept
 
@@ -403,25 +455,45 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     else:
         reduced, kept = skipped(picked)
 
-    rest = lax.pmean([g for g, s in zip(leaves, skippable) if not s], axes)
+    rest = _pmean([g for g, s in zip(leaves, skippable) if not s], axes,
+                  config.accumulate_dtype)
     reduced_it, rest_it = iter(reduced), iter(rest)
     out = [next(reduced_it) if s else next(rest_it) for s in skippable]
 
+    if config.check_finite or residuals is not None:
+        # One flag for all ranks: True when every rank's gradient is finite.
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
     residual = state.residual
     if residuals is not None:
         kept_it = iter(kept)
-        new = [next(kept_it)[None] if s else jnp.zeros_like(r)
+        new = [next(kept_it)[None] if s else r
                for s, r in zip(skippable, residuals)]
-        new = [x.astype(r.dtype) for x, r in zip(new, residuals)]
+        # A non-finite step leaves the residual as it was: a NaN stored there
+        # would come back, piece by piece, in the steps after it.
+        new = [jnp.where(finite, x.astype(r.dtype), r)
+               for x, r in zip(new, residuals)]
         residual = jax.tree_util.tree_unflatten(treedef, new)
     if config.check_finite:
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
-        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     if config.verify_sync:
         _verify_sync(state, axes)
     new_state = state._replace(count=state.count + 1, residual=residual)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _wide(dtype: Any, accumulate_dtype: Any) -> np.dtype:
+    """The dtype a leaf of ``dtype`` is summed (and sent) in."""
+    if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype(accumulate_dtype)
+    return np.dtype(dtype)
+
+
+def _pmean(leaves: list[jax.Array], axes: tuple[str, ...],
+           accumulate_dtype: Any) -> list[jax.Array]:
+    """``lax.pmean``, summing in ``accumulate_dtype`` as the ring does."""
+    wide = [g.astype(_wide(g.dtype, accumulate_dtype)) for g in leaves]
+    return [m.astype(g.dtype) for m, g in zip(lax.pmean(wide, axes), leaves)]
 
 
 def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
@@ -490,7 +562,7 @@ def comm_stats(
 
     Example:
       >>> stats = comm_stats(params, 8, num_skip=4, min_size=0)
-      >>> round(stats.ratio, 3)
+      >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding
       0.714
     """
     inner = skip_reduce_kwargs.pop("inner_size", 1)
@@ -511,11 +583,14 @@ def comm_stats(
     plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
                         bucket_bytes=config.bucket_bytes,
                         chunks_per_rank=config.chunks_per_rank)
-    skip_bytes = sum(b.padded_size * b.dtype.itemsize for b in plan.buckets)
-    skip_bytes /= inner
-    rest_bytes = sum(s * np.dtype(x.dtype).itemsize for s, x, ok in
+    # The reduce-scatter sends accumulate_dtype, the gather the leaves' own.
+    acc = config.accumulate_dtype
+    skip_sent = sum(
+        ((n - 1 - k) * _wide(b.dtype, acc).itemsize + (n - 1) * b.dtype.itemsize)
+        / n * b.padded_size for b in plan.buckets) / inner
+    rest_bytes = sum(s * _wide(x.dtype, acc).itemsize for s, x, ok in
                      zip(sizes, leaves, skippable) if not ok) / inner
-    sent = (2 * (n - 1) - k) / n * skip_bytes + ring * rest_bytes
+    sent = skip_sent + ring * rest_bytes
     skipped = sum(s for s, ok in zip(sizes, skippable) if ok)
     total = sum(sizes)
     return CommStats(k, sent, ring * full_bytes,

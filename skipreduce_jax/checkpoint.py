@@ -192,7 +192,8 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"restore: checkpoint step {step} has error-feedback residuals "
                 f"for {entry['residual_rows']} ranks at {where}, opt_state_like "
                 f"for {rows}. Residuals are per rank: resume on the same "
-                "number of data-parallel ranks.")
+                "number of data-parallel ranks, with opt_state_like built by "
+                "skipreduce_jax.init_opt_state (tx.init alone makes one row).")
 
 
 def restore(

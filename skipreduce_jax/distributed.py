@@ -191,6 +191,9 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if interface is not None:
             _install_gloo_interface(interface)
+        if "coordinator_address" in kwargs:
+            # Bind where the caller's coordinator is, not where ours was.
+            settings.pop("coordinator_bind_address", None)
         init_kwargs: dict[str, Any] = {**LAUNCHER_DEFAULTS, **settings, **kwargs}
         jax.distributed.initialize(**init_kwargs)
     elif kwargs or _cluster_detected():
@@ -349,14 +352,12 @@ def _die_with_launcher(launcher_pid: str | None) -> None:
     """On Linux, has the kernel SIGKILL this process when the launcher dies.
 
     The launcher ends its processes itself when it fails or is signalled;
-    this covers it being killed with SIGKILL. Best effort: does nothing off
-    Linux, if ``prctl`` is unavailable, or unless the parent process is the
-    launcher (if the launcher died already, the coordinator is gone too and
-    ``jax.distributed.initialize`` fails after its ``initialization_timeout``).
+    this covers it being killed with SIGKILL. If the launcher is already
+    gone (this process's parent is no longer it), the job is over: exit at
+    once, before joining a coordinator that may still run in process 0.
+    Does nothing off Linux or if ``prctl`` is unavailable.
     """
     if not sys.platform.startswith("linux") or not launcher_pid or not launcher_pid.isdigit():
-        return
-    if os.getppid() != int(launcher_pid):
         return
     try:
         import ctypes
@@ -366,6 +367,16 @@ def _die_with_launcher(launcher_pid: str | None) -> None:
         return
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
     prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(launcher_pid):
+        print(
+            f"skipreduce_jax.initialize: the launcher (pid {launcher_pid}) is gone, or this "
+            f"process was not started by it (parent pid {os.getppid()}); exiting. Start the "
+            "script with `python -m skipreduce_jax.launch`, or unset the SKIPREDUCE_* "
+            "variables to run it on its own.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
 
 def _check_backend_not_started(xla_bridge: Any) -> None:

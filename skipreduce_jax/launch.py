@@ -19,20 +19,29 @@ process fails, or ``--timeout`` passes, it ends all of them (SIGTERM to each
 process group, then SIGKILL after :data:`KILL_GRACE_SECONDS`: JAX catches
 SIGTERM), reports on stderr which process failed and why, and exits with
 
-* the exit code of the first process that failed,
+* the exit code of the first process that failed (the first to end with a
+  non-zero status; the others that failed after it are listed),
 * ``128 + N`` if that process was killed by signal ``N``,
 * :data:`EXIT_TIMEOUT` (124, as ``timeout(1)``) when ``--timeout`` passed,
 * ``128 + N`` when the launcher itself got SIGINT, SIGTERM or SIGHUP (N),
 * :data:`EXIT_USAGE` (2) for bad arguments; then nothing is started.
 
 Each process runs in its own session, so that ending it ends everything it
-started too. On Linux, :func:`skipreduce_jax.distributed.initialize` also
-has the process killed when the launcher dies (even by SIGKILL).
+started too; what a process leaves running is killed when the job ends,
+also after a clean exit. On Linux, :func:`skipreduce_jax.distributed.initialize`
+has the process killed by the kernel when the launcher dies (even by
+SIGKILL), and a process that reaches it after the launcher died exits there.
 
 Environment of each process (besides the launcher's own): the
-``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed`,
-``JAX_PLATFORMS=cpu`` unless ``JAX_PLATFORMS`` is set, and
-``PYTHONUNBUFFERED=1``.
+``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed` (gloo on
+the loopback interface unless ``SKIPREDUCE_GLOO_INTERFACE`` is set),
+``JAX_PLATFORMS=cpu`` unless ``JAX_PLATFORMS`` is set, 127.0.0.1 and
+localhost added to ``no_proxy``/``NO_PROXY``, and ``PYTHONUNBUFFERED=1``.
+
+All processes run on this machine (the coordinator listens on 127.0.0.1).
+On a real cluster, start one process per host with the cluster's own tools
+(SLURM, Open MPI, Kubernetes) and call
+:func:`skipreduce_jax.distributed.initialize` without the launcher.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from typing import IO, Any, Final
 
 from skipreduce_jax.distributed import (
     ENV_COORDINATOR,
+    ENV_GLOO_INTERFACE,
     ENV_LAUNCHER_PID,
     ENV_LOCAL_DEVICES,
     ENV_NUM_PROCESSES,
@@ -145,6 +155,13 @@ def launch(
     base_env.update(env or {})
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"
+    # All processes meet on 127.0.0.1: gloo on loopback needs no resolvable
+    # host name, and no proxy may carry the coordinator's connections.
+    base_env.setdefault(ENV_GLOO_INTERFACE, _loopback_interface())
+    for name in ("no_proxy", "NO_PROXY"):
+        hosts = [h for h in base_env.get(name, "").split(",") if h]
+        base_env[name] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost")
+                                           if h not in hosts])
     base_env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
     base_env[ENV_NUM_PROCESSES] = str(num_processes)
     base_env[ENV_LOCAL_DEVICES] = str(devices_per_process)
@@ -265,6 +282,15 @@ def _validate(
         raise LaunchError(f"SCRIPT {script!r} {what} (working directory: {os.getcwd()}).")
 
 
+def _loopback_interface() -> str:
+    """The name of the loopback interface ("lo" on Linux)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platforms without if_nameindex
+        return "lo"
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -322,6 +348,9 @@ class _Job:
         self.readers: list[threading.Thread] = []
         self.out_lock = threading.Lock()
         self.received_signal: int | None = None
+        # (rank, exit code) in the order the processes ended.
+        self.exits: list[tuple[int, int]] = []
+        self.exits_lock = threading.Lock()
 
     def run(self) -> int:
         previous = self._install_signal_handlers()
@@ -377,6 +406,17 @@ class _Job:
             )
             reader.start()
             self.readers.append(reader)
+            threading.Thread(
+                target=self._record_exit, args=(rank, proc), name=f"wait-p{rank}", daemon=True
+            ).start()
+
+    def _record_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        # One thread per process, blocked in its wait: the order of the list
+        # is the order in which the processes ended, so a process that failed
+        # because another one died first is not blamed for it.
+        code = proc.wait()
+        with self.exits_lock:
+            self.exits.append((rank, code))
 
     def _forward(self, rank: int, stream: IO[bytes]) -> None:
         prefix = f"[p{rank}] "
@@ -403,25 +443,26 @@ class _Job:
                 return 128 + self.received_signal, (
                     f"received {name}; ending the {running} running process(es)."
                 )
-            running = []
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is None:
-                    running.append(rank)
-                elif code != 0:
-                    others = sum(p.poll() is None for p in self.procs)
-                    if code < 0:
-                        why, status = f"was killed by {_signal_name(-code)}", 128 - code
-                    else:
-                        why, status = f"exited with code {code}", code
-                    if others:
-                        rest = f"ending the {others} other running process(es)"
-                    else:
-                        rest = "no other process was running"
-                    who = f"process {rank} ([p{rank}], pid {proc.pid})"
-                    return status, f"{who} failed: it {why}; {rest}."
-            if not running:
+            with self.exits_lock:
+                exits = list(self.exits)
+            failed = [(rank, code) for rank, code in exits if code != 0]
+            if failed:
+                rank, code = failed[0]
+                others = sum(p.poll() is None for p in self.procs)
+                if code < 0:
+                    why, status = f"was killed by {_signal_name(-code)}", 128 - code
+                else:
+                    why, status = f"exited with code {code}", code
+                rest = "; ".join(
+                    [f"process {r} then exited with {c}" for r, c in failed[1:]]
+                    + [f"ending the {others} other running process(es)" if others
+                       else "no other process was running"])
+                who = f"process {rank} ([p{rank}], pid {self.procs[rank].pid})"
+                return status, f"{who} failed first: it {why}; {rest}."
+            if len(exits) == self.num_processes:
                 return 0, None
+            ended = {rank for rank, _ in exits}
+            running = [rank for rank in range(self.num_processes) if rank not in ended]
             if deadline is not None and time.monotonic() >= deadline:
                 return EXIT_TIMEOUT, (
                     f"timeout: process(es) {', '.join(map(str, running))} of {self.num_processes} "
@@ -434,7 +475,11 @@ class _Job:
             print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
     def _end_all(self, quiet: bool = False) -> None:
-        """SIGTERM to every process group, SIGKILL after the grace period."""
+        """SIGTERM to every process group, SIGKILL after the grace period.
+
+        Also after a clean exit: what a process left running in its session
+        (its group) is killed, so the job leaves nothing behind.
+        """
         if not self.procs:
             return
         if not quiet or any(p.poll() is None for p in self.procs):
@@ -443,9 +488,9 @@ class _Job:
             deadline = time.monotonic() + KILL_GRACE_SECONDS
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
-            # Also for groups whose leader is gone: what it started may live on.
-            for proc in self.procs:
-                _kill_group(proc.pid, signal.SIGKILL)
+        # Also for groups whose leader is gone: what it started may live on.
+        for proc in self.procs:
+            _kill_group(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
 

@@ -33,3 +33,11 @@ def test_glibc_leaves_the_allocator_alone(monkeypatch):
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     with pytest.raises(ValueError, match="malloc='tcmalloc'"):
         cluster.process_env(0, 2, 47770, malloc="tcmalloc")
+
+
+@pytest.mark.parametrize("args", [["--rate", "1xyz"], ["--burst", "big"]])
+def test_bad_rate_or_burst_is_a_usage_error(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cluster.build_parser().parse_args(args)
+    assert exit_info.value.code == 2
+    assert "bad " in capsys.readouterr().err

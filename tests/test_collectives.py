@@ -114,30 +114,45 @@ def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
         assert not np.array_equal(native[0], x.sum(0))  # something was dropped
 
 
-@pytest.mark.parametrize("randomize", [True, False])
-def test_derivatives_are_those_of_psum_of_the_kept_values(randomize):
+@pytest.mark.parametrize("randomize,check_vma,dtype", [
+    (True, True, np.float32),
+    (False, True, np.float32),
+    # Unchecked types: the all-gather must transpose to a reduce-scatter.
+    (True, False, np.float32),
+    # Summed in float32, gathered as bfloat16 bits (a custom derivative).
+    (True, True, jnp.bfloat16),
+])
+def test_derivatives_are_those_of_psum_of_the_kept_values(randomize, check_vma,
+                                                          dtype):
     # skip_psum is the linear map x -> psum(x * mask): jvp and grad through it
     # are that map's (through the ring, the all-gather and the reorder), and vmap
-    # maps it over a batch.
+    # maps it over a batch. Each rank's cotangent differs.
     n, k = 4, 2
     rng = np.random.default_rng(7)
-    x, w, t = (rng.normal(size=(n, 3000)).astype(np.float32) for _ in range(3))
+    x, w, t = (rng.normal(size=(n, 3000)).astype(dtype) for _ in range(3))
+    wide = None if dtype == np.float32 else jnp.float32
 
     def f(args):
         v, w, t = args
         kw = dict(key=jax.random.key(11), num_skip=k, randomize=randomize,
                   chunks_per_rank=16)
-        skip = lambda v: sr.skip_psum(v, "i", **kw)  # noqa: E731
+        skip = lambda v: sr.skip_psum(v, "i", accumulate_dtype=wide, **kw)  # noqa: E731
         ref = lambda v: lax.psum(v * sr.contribution_mask(v, "i", **kw), "i")  # noqa: E731
-        grads = [jax.grad(lambda v, g=g: jnp.sum(w * g(v)))(v) for g in (skip, ref)]
+        grads = [jax.grad(lambda v, g=g: jnp.sum(w * g(v)).astype(jnp.float32))(v)
+                 for g in (skip, ref)]
         tangents = [jax.jvp(g, (v,), (t,))[1] for g in (skip, ref)]
         return (*grads, *tangents, jax.vmap(skip)(jnp.stack([v, t])), skip(t))
 
-    grad, grad_ref, tangent, tangent_ref, both, skip_t = per_rank(f, (x, w, t), n=n)
-    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(tangent, tangent_ref, rtol=1e-5, atol=1e-5)
+    out = per_rank(f, (x, w, t), n=n, check_vma=check_vma)
+    grad, grad_ref, tangent, tangent_ref, both, skip_t = (
+        np.asarray(a, np.float32) for a in out)
+    tol = 1e-5 if dtype == np.float32 else 3e-2
+    np.testing.assert_allclose(grad, grad_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(tangent, tangent_ref, rtol=tol, atol=tol)
     np.testing.assert_array_equal(both[:, 1], skip_t)  # vmap: one call per item
-    assert not np.allclose(grad, np.broadcast_to(w.sum(0), grad.shape))  # dropped
+    sum_w = np.asarray(w, np.float32).sum(0)
+    assert not np.allclose(grad, np.broadcast_to(sum_w, grad.shape))  # dropped
+    assert np.abs(grad).max() > 0.5  # not a gradient lost to a cast
 
 
 def _patterns(keys, *, k, randomize, n=8, size=2048, chunks=None):
@@ -361,3 +376,39 @@ def test_bad_gather_and_chunks():
     with pytest.raises(ValueError, match=r"chunks_per_rank=0"):
         _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
                                       num_skip=1, chunks_per_rank=0))
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(chunks_per_rank=True), ValueError, r"chunks_per_rank=True must be a"),
+    (dict(bucket_bytes=0), ValueError, r"bucket_bytes=0 must be a positive"),
+    (dict(accumulate_dtype=jnp.int32), TypeError,
+     r"accumulate_dtype=.*int32.* is not a floating-point dtype"),
+    (dict(accumulate_dtype="f32x"), TypeError,
+     r"accumulate_dtype='f32x' is not a dtype"),
+    (dict(randomize="no"), TypeError, r"randomize='no' must be a bool"),
+])
+def test_bad_sizes_dtypes_and_flags(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                      num_skip=1, **kwargs))
+
+
+def test_numpy_ints_and_python_scalars_are_accepted():
+    def f(v):
+        kw = dict(key=jax.random.key(0), num_skip=np.int64(1),
+                  chunks_per_rank=np.int64(2), bucket_bytes=np.int64(1 << 20))
+        tree = {"v": v, "s": 1.0}
+        return sr.skip_psum(tree, "i", **kw)["v"], sr.ring_psum(tree, "i")["s"]
+
+    summed, scalar = _trace(f)
+    np.testing.assert_allclose(summed, 3.0)
+    np.testing.assert_allclose(scalar, 4.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_skip=4), r"num_skip=4 must be an int in \[0, 3\]"),
+    (dict(num_skip=1, chunks_per_rank=0), r"chunks_per_rank=0 must be a"),
+])
+def test_make_schedule_checks_its_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sr.make_schedule(4, key=jax.random.key(0), **kwargs)

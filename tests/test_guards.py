@@ -113,3 +113,33 @@ def test_check_finite_spreads_nan_to_every_element_and_apply_if_finite_skips():
     clean = np.ones((N, 4096), np.float32)
     out = per_rank(lambda g: tx.update(g, tx.init(g))[0], clean, n=N)
     np.testing.assert_allclose(out, 1.0)
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_error_feedback_never_stores_a_non_finite_residual(check_finite):
+    # Three steps; rank 2's gradient holds a NaN at step 1 only. Every rank
+    # keeps its residual through step 1, and step 2 is finite again.
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=(3, N, 4096)).astype(np.float32)
+    g[1, 2, 10] = np.nan
+    tx = sr.skip_reduce("i", num_skip=4, min_size=0, error_feedback=True,
+                        check_finite=check_finite)
+
+    def f(grads):
+        state = tx.init(grads[0])
+        outs, residuals = [], []
+        for step in range(3):
+            out, state = tx.update(grads[step], state)
+            outs.append(out)
+            residuals.append(state.residual[0])
+        return outs, residuals
+
+    outs, residuals = per_rank(f, np.swapaxes(g, 0, 1), n=N)
+    assert np.isfinite(outs[0]).all() and np.isfinite(outs[2]).all()
+    assert not np.isfinite(outs[1]).all()
+    if check_finite:
+        assert np.isnan(outs[1]).all()
+    assert np.abs(residuals[0]).max() > 0  # something was left out at step 0
+    np.testing.assert_array_equal(residuals[1], residuals[0])
+    assert np.isfinite(residuals[2]).all()
+    assert not np.array_equal(residuals[2], residuals[1])

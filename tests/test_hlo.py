@@ -88,3 +88,27 @@ def test_combined_all_reduce_counts_every_output():
 def test_parser_rejects_non_program():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         sr.collective_traffic("not hlo")
+
+
+_ASYNC_PROGRAM = """HloModule m, num_partitions=4
+%add (p0: f32[], p1: f32[]) -> f32[] {
+  %p0 = f32[] parameter(0)
+  %p1 = f32[] parameter(1)
+  ROOT %add = f32[] add(%p0, %p1)
+}
+ENTRY %main (p0: f32[1024], p1: f32[1024]) -> (f32[1024], f32[1024]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[1024]{0} parameter(1)
+  %ars = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%p0, %p1), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %ard = (f32[1024]{0}, f32[1024]{0}) all-reduce-done(%ars)
+}
+"""
+
+
+def test_async_combined_all_reduce_and_empty_groups():
+    # GPU programs: all-reduce-start returns its outputs only (unlike the
+    # other -start ops), and replica_groups={} means every device.
+    two_outputs = 2 * (2 * 4096 * 3 / 4)
+    assert sr.collective_traffic(_ASYNC_PROGRAM).bytes_per_device() == two_outputs
+    everyone = _ASYNC_PROGRAM.replace("replica_groups={{0,1,2,3}}", "replica_groups={}")
+    assert sr.collective_traffic(everyone).bytes_per_device() == two_outputs

@@ -7,6 +7,7 @@ The multi-process tests start ``python -m skipreduce_jax.launch`` (or call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,7 +102,7 @@ def test_collectives_across_processes(num_processes: int, devices_per_process: i
         assert result["devices"] == str(n)
         assert result["local"] == str(devices_per_process)
         assert result["psum"] == str(devices_per_process * num_processes * (num_processes + 1) // 2)
-        assert result["gloo"] == "None"
+        assert result["gloo"] == "lo"  # the launcher's default: all on 127.0.0.1
     # Shifted values over all processes: every global position exactly once.
     shifted = sorted(int(v) for r in results.values() for v in r["shifted"].split(","))
     assert shifted == list(range(n))
@@ -234,19 +236,56 @@ def test_launcher_sigterm_ends_children(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux only")
-def test_launcher_sigkill_ends_initialized_children(tmp_path: Path) -> None:
+def test_clean_exit_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc, elapsed = _run_launcher("-n", "2", str(FAIL), str(tmp_path), "leave")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_all_dead(_wait_for_pids(tmp_path, 2, timeout=1))  # the grandchildren too
+    assert elapsed < 15, elapsed
+
+
+@contextlib.contextmanager
+def _failing_job(tmp_path: Path, mode: str) -> Iterator[subprocess.Popen[str]]:
+    """The launcher running ``fail.py`` in ``mode``; whatever is left is killed."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "skipreduce_jax.launch", "-n", "2", str(FAIL), str(tmp_path)]
-        + ["hang"],
+        [sys.executable, "-m", "skipreduce_jax.launch", "-n", "2", str(FAIL), str(tmp_path), mode],
         cwd=REPO,
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    pids: list[int] = []
     try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+        for f in tmp_path.glob("p*.pids"):
+            for pid in f.read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux only")
+def test_children_exit_at_initialize_when_the_launcher_is_gone(tmp_path: Path) -> None:
+    # The launcher is SIGKILLed before its processes reach initialize(): they
+    # exit there instead of joining process 0's coordinator headless.
+    with _failing_job(tmp_path, "late") as launcher:
+        pids = _wait_for_pids(tmp_path, 2)
+        launcher.kill()
+        launcher.wait()
+        assert_all_dead(pids[0::2], within=30)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux only")
+def test_launcher_sigkill_ends_initialized_children(tmp_path: Path) -> None:
+    with _failing_job(tmp_path, "hang") as launcher:
         assert launcher.stdout is not None
         initialized = 0
         for line in launcher.stdout:  # until both processes passed initialize()
@@ -258,17 +297,6 @@ def test_launcher_sigkill_ends_initialized_children(tmp_path: Path) -> None:
         launcher.wait()
         children = pids[0::2]  # not the grandchildren: they are not JAX processes
         assert_all_dead(children)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        if launcher.stdout is not None:
-            launcher.stdout.close()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.mark.slow
@@ -300,6 +328,9 @@ def test_output_is_prefixed(tmp_path: Path) -> None:
     for line in envs:
         assert re.search(r"SKIPREDUCE_COORDINATOR=127\.0\.0\.1:\d+ ", line), line
         assert "SKIPREDUCE_NUM_PROCESSES=3 SKIPREDUCE_LOCAL_DEVICES=2 JAX_PLATFORMS=cpu" in line
+        assert "SKIPREDUCE_GLOO_INTERFACE=lo " in line, line
+        no_proxy = re.search(r"no_proxy=(\S*)", line).group(1).split(",")
+        assert {"127.0.0.1", "localhost"} <= set(no_proxy), line
     assert proc.stderr == ""
 
 

@@ -139,3 +139,91 @@ def test_check_vma_accepts_the_specs_and_rejects_a_wrong_one():
         jax.jit(jax.shard_map(local, mesh=mesh,
                               in_specs=(P(), specs, P("data")), out_specs=wrong,
                               check_vma=True))(params, opt_state, batch)
+
+
+def _regression_setup(tx, mesh):
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(64, 16)).astype(np.float32),
+             "y": rng.normal(size=(64, 4)).astype(np.float32)}
+    params = {"w": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)}
+    params = sr.replicate(params, mesh)
+    return params, sr.init_opt_state(tx, params, mesh), sr.shard_batch(batch, mesh)
+
+
+def _mse(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("num_skip", [0, 3])
+def test_microbatches_accumulate_locally_before_one_reduction(num_skip):
+    # A mean loss over equal pieces: the accumulated local gradient equals the
+    # whole local batch's, so the step equals the step without microbatches.
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=num_skip, min_size=0),
+                     optax.sgd(0.1))
+    results = []
+    for m in (1, 4):
+        params, state, batch = _regression_setup(tx, mesh)
+        step = sr.make_train_step(_mse, tx, mesh, microbatches=m, donate=False)
+        results.append(step(params, state, batch))
+        text = step.lower(params, state, batch).compile().as_text()
+        reductions = sr.collective_traffic(text)
+        results[-1] += (reductions.count("collective-permute"),
+                        reductions.count("all-reduce"))
+    (p1, _, l1, perm1, ar1), (p4, _, l4, perm4, ar4) = results
+    np.testing.assert_allclose(np.asarray(p4["w"]), np.asarray(p1["w"]),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(l4), float(l1), rtol=1e-5)
+    assert (perm4, ar4) == (perm1, ar1)  # one reduction per step either way
+    assert not np.allclose(np.asarray(p1["w"]),
+                           np.asarray(_regression_setup(tx, mesh)[0]["w"]))
+
+
+def test_microbatches_must_divide_the_local_batch():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=1, min_size=0),
+                     optax.sgd(0.1))
+    params, state, batch = _regression_setup(tx, mesh)
+    with pytest.raises(ValueError, match="microbatches=3 equal pieces"):
+        sr.make_train_step(_mse, tx, mesh, microbatches=3)(params, state, batch)
+    with pytest.raises(ValueError, match="microbatches=0 must be a positive"):
+        sr.make_train_step(_mse, tx, mesh, microbatches=0)
+
+
+def test_plain_init_with_error_feedback_points_to_init_opt_state():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=1, min_size=0,
+                                    error_feedback=True), optax.sgd(0.1))
+    params, _, batch = _regression_setup(tx, mesh)
+    with pytest.raises(ValueError, match="init_opt_state"):
+        sr.make_train_step(_mse, tx, mesh)(params, tx.init(params), batch)
+
+
+def test_error_feedback_keeps_no_residual_for_leaves_never_skipped():
+    # Excluded and small leaves always get the full all-reduce: their
+    # residuals are empty rows, not per-device copies of the leaf.
+    mesh = jax.make_mesh((N,), ("data",))
+    kw = dict(num_skip=3, min_size=100, error_feedback=True)
+    tx = optax.chain(sr.skip_reduce("data", selective=sr.exclude("b"), **kw),
+                     optax.sgd(0.1))
+    rng = np.random.default_rng(1)
+    params = sr.replicate({"w": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
+                           "b": jnp.zeros((64,)), "s": jnp.zeros((8,))}, mesh)
+    state = sr.init_opt_state(tx, params, mesh)
+    shapes = {k: v.shape for k, v in state[0].residual.items()}
+    assert shapes == {"w": (N, 16, 64), "b": (N, 0), "s": (N, 0)}
+
+    def loss(p, batch):
+        return jnp.sum((batch @ p["w"] + p["b"]) ** 2) + jnp.sum(p["s"] * batch.sum())
+
+    batch = sr.shard_batch(rng.normal(size=(4 * N, 16)).astype(np.float32), mesh)
+    params, state, _ = sr.make_train_step(loss, tx, mesh)(params, state, batch)
+    assert np.abs(np.asarray(state[0].residual["w"])).max() > 0
+    assert {k: v.shape for k, v in state[0].residual.items()} == shapes
+    sr.assert_replicated(params, mesh)
+
+    # A state built for other settings is refused with a pointer to the fix.
+    other = optax.chain(sr.skip_reduce("data", **{**kw, "min_size": 0}),
+                        optax.sgd(0.1))
+    with pytest.raises(ValueError, match="other selective/min_size settings"):
+        sr.make_train_step(loss, other, mesh)(params, state, batch)

@@ -1,5 +1,7 @@
 """skip_reduce as an optax transformation."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -203,10 +205,76 @@ def test_double_reduction_is_refused():
     (dict(num_skip=1, warmup_steps=-1), "warmup_steps=-1 must be a non-negative"),
     (dict(num_skip=1, min_size=1.5), "min_size=1.5 must be a non-negative"),
     (dict(num_skip=1, inner_axis="i"), "inner_axis='i' is also axis_name"),
+    (dict(num_skip=1, chunks_per_rank=0), "chunks_per_rank=0 must be a"),
+    (dict(num_skip=1, bucket_bytes=0), "bucket_bytes=0 must be a positive"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sr.skip_reduce("i", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_skip=1, accumulate_dtype="banana"), "accumulate_dtype='banana'"),
+    (dict(num_skip=1, accumulate_dtype=jnp.int32), "not a floating-point"),
+    (dict(num_skip=1, randomize="no"), "randomize='no' must be a bool"),
+])
+def test_bad_types_fail_when_built(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        sr.skip_reduce("i", **kwargs)
+
+
+def test_equal_settings_have_equal_fingerprints():
+    def fingerprint(**kw):
+        return int(sr.skip_reduce("i", **kw).init({"w": jnp.zeros(3)}).fingerprint)
+
+    assert fingerprint(num_skip=4) == fingerprint(num_skip=np.int64(4))
+    assert fingerprint(skip_ratio=1) == fingerprint(skip_ratio=1.0)
+    dtypes = {fingerprint(num_skip=1, accumulate_dtype=d)
+              for d in (jnp.float32, np.float32, "float32", jnp.dtype("float32"))}
+    assert len(dtypes) == 1
+    assert fingerprint(num_skip=1) != fingerprint(num_skip=2)
+
+
+def test_by_path_predicate_must_return_a_bool():
+    tx = sr.skip_reduce("i", num_skip=1, min_size=0,
+                        selective=sr.by_path(lambda p, _: re.search("w", p)))
+    grads = np.ones((N, 8), np.float32)
+    with pytest.raises(TypeError, match=r"predicate returned None for \['b'\]"):
+        per_rank(lambda g: tx.update({"w": g, "b": g}, tx.init({"w": g, "b": g}))[0],
+                 grads, n=N)
+
+
+def test_accumulate_dtype_also_sums_the_full_all_reduces_in_float32():
+    # Warmup, k = 0, excluded and small leaves take lax.pmean: it must also
+    # add in the wider dtype; comm_stats counts what the program sends.
+    n = 4
+    grads = {"big": jnp.zeros((4096,), jnp.bfloat16),
+             "small": jnp.zeros((64,), jnp.bfloat16)}
+    kw = dict(num_skip=1, min_size=1000, accumulate_dtype=jnp.float32,
+              chunks_per_rank=1)
+    tx = sr.skip_reduce("i", **kw)
+    mesh = line_mesh(n)
+
+    def f(g):
+        g = jax.tree_util.tree_map(lambda x: x[0], g)
+        return jax.tree_util.tree_map(lambda x: x[None], tx.update(g, tx.init(g))[0])
+
+    per_rank_grads = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype,
+                                       sharding=NamedSharding(mesh, P("i"))),
+        grads)
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    lowered = step.lower(per_rank_grads).as_text()
+    # The all-reduce's operand types, as in "}) : (tensor<64xf32>) -> ...".
+    operands = re.findall(r"stablehlo\.all_reduce.*?\}\) : \((.*?)\) ->",
+                          lowered, flags=re.S)
+    assert operands and all("bf16" not in o and "f32" in o for o in operands)
+    traffic = sr.collective_traffic(step.lower(per_rank_grads).compile().as_text())
+    stats = sr.comm_stats(grads, n, **kw)
+    assert traffic.bytes_per_device() == pytest.approx(stats.bytes_per_device)
+    # Without accumulate_dtype the formula counts bfloat16 throughout.
+    plain = sr.comm_stats(grads, n, **{**kw, "accumulate_dtype": None})
+    assert plain.bytes_per_device < stats.bytes_per_device
 
 
 def test_num_skip_too_large_for_axis_fails_at_trace_time():

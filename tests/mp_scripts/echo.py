@@ -25,6 +25,8 @@ keys = (
     "SKIPREDUCE_NUM_PROCESSES",
     "SKIPREDUCE_LOCAL_DEVICES",
     "JAX_PLATFORMS",
+    "SKIPREDUCE_GLOO_INTERFACE",
+    "no_proxy",
 )
 print("env " + " ".join(f"{k}={os.environ.get(k)}" for k in keys))
 print(f"stdout line from {rank}")

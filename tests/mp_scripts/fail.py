@@ -9,6 +9,8 @@ pid, and the pid of a grandchild it starts (``sleep``-ing in Python), to
 * ``hang``: all processes sleep 300 s after ``initialize()`` (for --timeout
   and launcher signals); they ignore SIGTERM, as a stuck process may.
 * ``nojax``: like ``hang`` but without JAX.
+* ``leave``: exits with 0 at once (without JAX), leaving its grandchild.
+* ``late``: like ``hang``, but sleeps 3 s before ``initialize()``.
 """
 
 import os
@@ -27,17 +29,22 @@ with open(tmp, "w") as f:
     f.write(f"{os.getpid()} {grandchild.pid}\n")
 os.replace(tmp, os.path.join(pid_dir, f"p{rank}.pids"))
 
+if mode == "leave":
+    sys.exit(0)
+if mode == "late":
+    time.sleep(3)
 if mode != "nojax":
     from skipreduce_jax.distributed import initialize
 
     initialize()
     import jax
 
-    print(f"rank {rank} sees {jax.device_count()} devices", flush=True)
+    if mode != "late":  # (a closed pipe would end it too: no output here)
+        print(f"rank {rank} sees {jax.device_count()} devices", flush=True)
 
 if mode == "raise" and rank == fail_rank:
     time.sleep(0.5)
     raise RuntimeError(f"deliberate failure in process {rank}")
-if mode in ("hang", "nojax"):
+if mode in ("hang", "nojax", "late"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(300)
