@@ -225,7 +225,9 @@ def skip_reduce(
         [0, 1]; resolved at trace time to ``k = floor(skip_ratio * (N - 1) +
         0.5)`` (round half up): 0.5 on 8 ranks gives k = 4.
       seed: the key of step t is ``fold_in(key(seed), t)``: the same on every
-        rank and process. Use the same seed everywhere.
+        rank and process. Use the same seed everywhere; give two
+        ``skip_reduce`` in one optimizer (e.g. in ``optax.multi_transform``)
+        different seeds, or their drops are correlated.
       randomize: False is static SkipReduce (biased; for comparison).
       normalize: ``"contributors"`` (divide by the N - k ranks summed; the
         default) or ``"world"`` (divide by N, as the authors' NCCL code).
