@@ -395,7 +395,8 @@ class _PowerSGDConfig:
                 continue
             rows, cols = _matrix_shape(np.shape(leaf))
             low_rank = (rows + cols) * self.rank
-            flags.append(low_rank > 0 and rows * cols >=
+            # The QR of P [rows, rank] keeps rank columns only if rows >= rank.
+            flags.append(rows >= self.rank and cols >= 1 and rows * cols >=
                          self.min_compression_rate * low_rank)
         return flags
 

@@ -183,11 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown group(s) {unknown}; use {list(GROUPS)}")
+    if not gate or not gate <= set(groups):
+        raise SystemExit(f"--gate {args.gate!r}: name groups that are fitted "
+                         f"(--groups {','.join(groups)})")
     fit_points = [p for path in args.fit for p in load_points(path, args.fit_sizes)]
     check_points = [p for path in args.check for p in load_points(path, args.check_sizes)]
+    if not fit_points:
+        raise SystemExit("no measurements in the --fit files (or none of --fit-sizes)")
     fit_rates = {p.rate for p in fit_points}
     if len(fit_rates) > 1:
-        raise SystemExit(f"--fit files have different link rates {sorted(fit_rates)}")
+        raise SystemExit(f"--fit files have different link rates "
+                         f"{sorted(fit_rates, key=str)}")
     fit_rate = next(iter(fit_rates))
 
     report: dict[str, Any] = {"fit_files": [str(p) for p in args.fit],
@@ -196,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "fit_rate_bit_per_s": fit_rate, "target": args.target,
                               "gate": sorted(gate), "groups": {}}
     worst = 0.0
+    checked: set[str] = set()
     for group in groups:
         fit_set = in_group(fit_points, group)
         if not fit_set:
@@ -220,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stats = summary(results)
             if group in gate:
                 worst = max(worst, stats["max_abs_rel_error"])
+                checked.add(group)
             note = ("" if used is model
                     else f" (bandwidth scaled to {used.gbit_per_s * 1e3:.0f} Mbit/s)")
             print(f"\n--- check {path.name}{note}: max |error| "
@@ -245,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(report, f, indent=1)
             f.write("\n")
         print(f"wrote {report_path}")
+    if checked != gate:
+        print(f"no check of {', '.join(sorted(gate - checked))}: nothing to judge "
+              "(pass --check files with these code paths, at the fit's rate or with "
+              "--scale-rate)")
+        return 1
     verdict = "within" if worst <= args.target else "NOT within"
     print(f"checks of {', '.join(sorted(gate))}: largest |error| {worst:.1%}, {verdict} "
           f"the target of {args.target:.0%}")

@@ -28,8 +28,10 @@ Adam: ``--optimizer``; with Adam, Random SkipReduce needs more steps, see
 The test accuracy is measured every ``--eval-every`` seconds of training
 time. The training clock stops during evaluations, and every step function
 is compiled and run twice before its clock starts. One evaluation moves by a
-test sample or two, so accuracies are smoothed: a trailing mean over the last
-``--smooth`` (3) evaluations, for every curve alike. The script reports, per
+test sample or two, so accuracies are smoothed: a mean over ``--smooth`` (3)
+consecutive evaluations, placed at their mean time and step, for every curve
+alike; a target's crossing is interpolated between two such points. The
+script reports, per
 variant, the time to reach the baseline's (smoothed) final accuracy and the
 speedup over the baseline's own time to it, the same for the baseline's final
 test loss (smoother than accuracy) with the steps it took to reach it (how
@@ -540,14 +542,28 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def first_reached(history: dict[str, list[float]], target: float,
-                  window: int = 1, metric: str = "acc") -> int | None:
-    """The index of the first evaluation whose smoothed ``metric`` reaches
-    ``target`` (accuracy: >=, loss: <=; None: never)."""
-    better = (lambda v: v >= target) if metric == "acc" else (lambda v: v <= target)
-    for i, value in enumerate(smoothed(history[metric], window)):
-        if better(value):
-            return i
+def reached(history: dict[str, list[float]], target: float, window: int = 1,
+            metric: str = "acc") -> tuple[float, float] | None:
+    """When the smoothed ``metric`` first reaches ``target`` (accuracy: >=,
+    loss: <=): ``(time, step)``, or None if it never does.
+
+    Each smoothed value stands at the mean time and mean step of its window
+    (a trailing mean read at the window's last point would lag by about half
+    a window, and by more steps for a faster variant), and the crossing is
+    interpolated linearly between the two evaluations around it.
+    """
+    values = smoothed(history[metric], window)
+    times = smoothed(history["time"], window)
+    steps = smoothed(history["step"], window)
+    sign = 1.0 if metric == "acc" else -1.0
+    gaps = [sign * (v - target) for v in values]  # >= 0: reached
+    for i, gap in enumerate(gaps):
+        if gap >= 0:
+            if i == 0:
+                return times[0], steps[0]
+            f = -gaps[i - 1] / (gap - gaps[i - 1])
+            return (times[i - 1] + f * (times[i] - times[i - 1]),
+                    steps[i - 1] + f * (steps[i] - steps[i - 1]))
     return None
 
 
@@ -569,9 +585,9 @@ def summarize(results: dict[str, dict[str, Any]], tolerance: float,
         for metric, goal, key in (("acc", target, "target"),
                                   ("loss", base["final_loss_smoothed"],
                                    "loss")):
-            i = first_reached(r["history"], goal, window, metric)
-            r[f"time_to_{key}"] = None if i is None else r["history"]["time"][i]
-            r[f"steps_to_{key}"] = None if i is None else r["history"]["step"][i]
+            when = reached(r["history"], goal, window, metric)
+            r[f"time_to_{key}"] = None if when is None else when[0]
+            r[f"steps_to_{key}"] = None if when is None else when[1]
     for r in results.values():
         for key, out in (("time_to_target", "speedup"),
                          ("time_to_loss", "speedup_loss")):
@@ -600,7 +616,7 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
                      opt(r.get("speedup"), ".2f"),
                      opt(r.get("time_to_loss"), ".1f"),
                      opt(r.get("speedup_loss"), ".2f"),
-                     opt(r.get("steps_to_loss"), "d"),
+                     opt(r.get("steps_to_loss"), ".0f"),
                      f"{r['formula_bytes']:,.0f}", f"{r['hlo_bytes']:,.0f}",
                      opt(r.get("bytes_ratio"), ".3f")))
     cells = [list(headers)] + [list(r) for r in rows]
@@ -692,6 +708,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="time_to_accuracy",
                    help="base name of the JSON and PNG files")
+    p.add_argument("--resummarize", type=pathlib.Path, metavar="JSON",
+                   help="train nothing: read the histories of an earlier run's "
+                   "JSON and print its table with this version's bookkeeping "
+                   "(targets, times and steps to them)")
     args = p.parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(names) - set(ALL_VARIANTS))
@@ -726,9 +746,27 @@ def write_json(args: argparse.Namespace, trainer: Trainer,
     return path
 
 
+def resummarize(path: pathlib.Path) -> str:
+    """The targets line and table of an earlier run, recomputed from its
+    histories with its own ``tolerance`` and ``smooth`` settings."""
+    with open(path) as f:
+        saved = json.load(f)
+    config, results = saved["config"], saved["results"]
+    target = summarize(results, config["tolerance"], config["smooth"])
+    head = f"{path.name}: "
+    if target is not None:
+        head += (f"accuracy target {target:.3f}, loss target "
+                 f"{results['all-reduce']['final_loss_smoothed']:.4f} "
+                 f"(window {config['smooth']})")
+    return head + "\n" + results_table(results)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
+    if args.resummarize is not None:
+        print(resummarize(args.resummarize))
+        return 0
     start_runtime(args.devices)
     lead = jax.process_index() == 0
 

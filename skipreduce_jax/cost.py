@@ -102,7 +102,10 @@ binary (``KiB``, ``MiB``, ``GiB``, ``TiB``) units; times accept ``s``, ``ms``,
 plain-text tables, or JSON with ``--json``.
 
 * ``predict``: time of ring all-reduce and SkipReduce at each ``--k`` or
-  ``--ratio`` with speedups; hierarchical with ``--inner L --inner-gbit X``::
+  ``--ratio`` with speedups; hierarchical with ``--inner L --inner-gbit X``
+  (then ``--gbit`` is each device's outer bandwidth: in the second example
+  every GPU has its own 25 Gbit/s NIC; with one NIC per host of L devices,
+  pass the NIC's rate / L)::
 
       python -m skipreduce_jax.cost predict --n 8 --size 100MB --gbit 100 \\
           --alpha 10us --overhead 50us --k 0 2 4 7
@@ -133,6 +136,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fractions
 import json
 import math
 import operator
@@ -541,12 +545,17 @@ def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
         (4, 7)
         >>> skip_ratio_to_num_skip(0.5, 4)  # 1.5 rounds up
         2
+        >>> skip_ratio_to_num_skip(0.7, 46)  # 31.5, also in decimal ratios
+        32
     """
     n = _check_int("n", n, 1)
     r = _check_real("skip_ratio", skip_ratio)
     if r > 1:
         raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
-    k = math.floor(r * (n - 1) + 0.5)
+    # Exact arithmetic on the ratio as written (0.7 is 7/10, not the float
+    # just below it), so that 0.7 of 45 steps, 31.5, rounds up to 32.
+    exact = fractions.Fraction(repr(float(r)))
+    k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
     return min(max(k, 0), n - 1)
 
 
@@ -1044,7 +1053,8 @@ def fit_link_model(
 
     Raises:
         ValueError: If ``measurements`` is empty, ``weighting`` is unknown, or
-            no fit has a positive bandwidth term.
+            no fit has a positive bandwidth term, or a fit without one (a
+            constant or per-step time) explains the points better.
 
     Example:
         >>> true = LinkModel(alpha=2e-5, bandwidth=1e10, call_overhead=1e-4)
@@ -1095,10 +1105,25 @@ def fit_link_model(
             full = np.zeros(3)
             full[cols] = coef / norms[cols]
             best = (sse, full)
-    if best is None:
+    # Without the bandwidth term: if a constant (or per-step) time explains
+    # the points better than any fit with a positive bandwidth, the times do
+    # not grow with the bytes and the bandwidth would be made up.
+    flat = None
+    for support in ((0,), (1,), (0, 1)):
+        if not set(support) <= allowed:
+            continue
+        sub = xs[:, list(support)]
+        if np.linalg.matrix_rank(sub) < len(support):
+            continue
+        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if np.all(coef >= 0):
+            resid = y - sub @ coef
+            flat = min(float(resid @ resid), np.inf if flat is None else flat)
+    if best is None or (flat is not None and flat < best[0] - tol):
         raise ValueError(
             "measurements do not determine a positive bandwidth: time must grow "
-            "with the bytes on the wire; include several message sizes"
+            "with the bytes on the wire; include several message sizes large "
+            "enough for the transfer to dominate"
         )
     overhead, alpha, inv_bw = (float(v) for v in best[1])
     return LinkModel(alpha=alpha, bandwidth=1.0 / inv_bw, call_overhead=overhead)
@@ -1169,7 +1194,10 @@ def _parse_with_units(name: str, text: str, units: Mapping[str, float]) -> tuple
             f"{name}: cannot parse {text!r}; expected a non-negative number with "
             f"an optional unit out of {sorted(u for u in units if u)}"
         )
-    return float(match.group(1)), units[match.group(2).lower()]
+    value = float(match.group(1))
+    if not math.isfinite(value * units[match.group(2).lower()]):
+        raise ValueError(f"{name}: {text!r} is too large")
+    return value, units[match.group(2).lower()]
 
 
 def parse_size(text: str) -> int:
@@ -1289,8 +1317,10 @@ def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 def _add_link_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("link (slow network for hierarchical mode)")
     bw = g.add_mutually_exclusive_group()
-    bw.add_argument("--gbit", type=float, help="bandwidth per rank in Gbit/s")
-    bw.add_argument("--gbyte", type=float, help="bandwidth per rank in GB/s")
+    bw.add_argument("--gbit", type=float,
+                    help="bandwidth per rank in Gbit/s (with --inner: per device on "
+                         "the outer links, e.g. a NIC's rate / L if L devices share it)")
+    bw.add_argument("--gbyte", type=float, help="bandwidth per rank in GB/s (as --gbit)")
     bw.add_argument("--model", metavar="FILE", help="link model JSON written by 'fit --save'")
     g.add_argument(
         "--alpha", type=_arg_type(parse_seconds), default=None,

@@ -293,3 +293,21 @@ def test_training_keeps_params_identical_across_devices(make_tx):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         for s in shards[1:]:
             np.testing.assert_array_equal(s, shards[0])
+
+
+def test_powersgd_leaves_matrices_with_fewer_rows_than_rank_uncompressed():
+    # [2, 100] at rank 4: the QR of P [2, 4] would keep 2 columns only.
+    tx = bl.powersgd_reduce("i", rank=4, warmup_steps=1, min_compression_rate=0.4)
+    grads = np.random.default_rng(6).normal(size=(N, 2, 100)).astype(np.float32)
+
+    def f(g):
+        state = tx.init(g)
+        for _ in range(2):  # the warm-up step, then the compressed path
+            out, state = tx.update(g, state)
+        return out, lax.pmean(g, "i")
+
+    out, mean = per_rank(f, grads, n=N)
+    np.testing.assert_allclose(out, mean, rtol=1e-6, atol=1e-6)  # full mean
+    assert bl.powersgd_comm_bytes({"w": jnp.zeros((2, 100))}, N, rank=4,
+                                  min_compression_rate=0.4) == pytest.approx(
+        2 * (N - 1) / N * 4 * 200)

@@ -585,3 +585,12 @@ def test_docstring_examples() -> None:
     result = doctest.testmod(cost)
     assert result.attempted > 20
     assert result.failed == 0
+
+
+def test_decimal_skip_ratios_round_half_up_exactly():
+    # 0.7 * 45 is 31.5 on paper but 31.499... in floats: the rule must see 31.5.
+    from fractions import Fraction
+    for n in range(2, 200):
+        for hundredths in range(101):
+            want = (Fraction(hundredths, 100) * (n - 1) + Fraction(1, 2)).__floor__()
+            assert skip_ratio_to_num_skip(hundredths / 100, n) == want, (hundredths, n)

@@ -31,28 +31,49 @@ def test_target_and_speedup_use_smoothed_curves():
     t = [0.0, 2.0, 4.0, 6.0, 8.0]
     results = {
         # A lucky last evaluation (0.99) does not set the target.
-        "all-reduce": _result(t, [0.1, 0.90, 0.95, 0.95, 0.99]),
+        "all-reduce": _result(t, [0.1, 0.90, 0.93, 0.93, 0.99]),
         "random": _result(t, [0.1, 0.95, 0.97, 0.97, 0.96], nbytes=60.0),
         "slow": _result(t, [0.1, 0.5, 0.6, 0.7, 0.8], nbytes=1.0),
     }
     target = tta.summarize(results, tolerance=0.0, window=3)
-    assert target == pytest.approx((0.95 + 0.95 + 0.99) / 3)
-    assert results["all-reduce"]["time_to_target"] == 8.0
-    # random's smoothed curve: 0.1, 0.525, 0.673, 0.963, 0.967.
-    assert results["random"]["time_to_target"] == 6.0
-    assert results["random"]["speedup"] == pytest.approx(8.0 / 6.0)
+    assert target == pytest.approx((0.93 + 0.93 + 0.99) / 3)
+    # A window's mean stands at its mean time: the all-reduce's last one
+    # (0.95) at 6 s, and it reaches its own final value there.
+    assert results["all-reduce"]["time_to_target"] == pytest.approx(6.0)
+    # random's smoothed curve 0.525, 0.673, 0.963 at 1, 2, 4 s crosses 0.95
+    # at 2 + 2 * (0.95 - 0.6733) / (0.9633 - 0.6733) s, step 5x that.
+    crossing = 2.0 + 2.0 * (0.95 - 2.02 / 3) / (2.89 / 3 - 2.02 / 3)
+    assert results["random"]["time_to_target"] == pytest.approx(crossing)
+    assert results["random"]["steps_to_target"] == pytest.approx(5 * crossing)
+    assert results["random"]["speedup"] == pytest.approx(6.0 / crossing)
     assert results["random"]["bytes_ratio"] == pytest.approx(0.6)
     assert results["slow"]["time_to_target"] is None
     assert results["slow"]["speedup"] is None
-    # The loss target (here 1 - accuracy) is reached at the same times.
-    assert results["random"]["time_to_loss"] == 6.0
-    assert results["random"]["speedup_loss"] == pytest.approx(8.0 / 6.0)
-    assert results["random"]["steps_to_loss"] == 30
-    assert results["all-reduce"]["steps_to_target"] == 40
     assert results["slow"]["steps_to_loss"] is None
+    # The loss target (here 1 - accuracy) is reached at the same places.
+    assert results["random"]["time_to_loss"] == pytest.approx(crossing)
     # Raw curves (window 1): the baseline's last value is the target.
     tta.summarize(results, tolerance=0.0, window=1)
     assert results["random"]["time_to_target"] is None
+
+
+def test_steps_to_target_do_not_depend_on_the_step_rate():
+    # Two variants learn the same curve per step; one steps 1.5x faster.
+    # Evaluated every 2 s, the faster one is seen at other steps, but both
+    # reach the target at the same step, and the speedup is the rate ratio.
+    def history(steps_per_second):
+        times = [2.0 * i for i in range(40)]
+        steps = [steps_per_second * t for t in times]
+        accs = [1.0 - np.exp(-s / 60.0) for s in steps]
+        return dict(history=dict(time=times, step=steps, acc=accs,
+                                 loss=[1.0 - a for a in accs]),
+                    formula_bytes=1.0)
+
+    results = {"all-reduce": history(2.0), "fast": history(3.0)}
+    tta.summarize(results, tolerance=0.0, window=3)
+    base, fast = results["all-reduce"], results["fast"]
+    assert fast["steps_to_loss"] == pytest.approx(base["steps_to_loss"], rel=0.01)
+    assert fast["speedup_loss"] == pytest.approx(1.5, rel=0.01)
 
 
 def test_optimizer_choice_and_default_learning_rates():
