@@ -440,7 +440,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="where digits.png and digits.json go (default: out)")
     p.add_argument("--no-progress", action="store_true",
                    help="hide the progress bars")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_per_rank", "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.lr > 0:
+        p.error("--lr must be > 0")
+    for name in ("skip_ratio", "non_iid_fraction"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

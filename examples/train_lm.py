@@ -5,9 +5,11 @@ pre-LayerNorm blocks with causal self-attention and an MLP, output head tied
 to the token embedding) learns to predict the next byte of Python source code.
 The corpus is the ``*.py`` files of the running interpreter's standard
 library (``sysconfig.get_paths()["stdlib"]``), so it is available offline;
-the files are put in a fixed pseudo-random order and split by file, so the
-validation text is never seen in training. Results therefore depend slightly
-on the Python version.
+the files are put in a fixed pseudo-random order and split by file, so no
+validation file is seen in training (the generated codec tables of
+``encodings/``, near copies of each other, are left out so that they cannot
+leak across the split). Results therefore depend slightly on the Python
+version.
 
 The same model (same initialisation, same batches in the same order) is
 trained data-parallel once per variant:
@@ -24,9 +26,11 @@ trained data-parallel once per variant:
 ``min_size`` defaults to 1024 here rather than the package's 100_000, which
 is meant for large models: in this model no leaf has 100k elements, so that
 default would turn SkipReduce into a plain all-reduce. With 1024 every weight
-matrix (at least ``d_model**2`` elements) may be skipped, while the bias and
-LayerNorm vectors (at most ``4 * d_model`` elements, under 1% of the bytes)
-always get a full all-reduce: skipping them would save almost nothing.
+matrix (at least ``d_model**2`` elements) may be skipped, while, at the
+default ``--d-model 128``, the bias and LayerNorm vectors (at most
+``4 * d_model`` = 512 elements, under 1% of the bytes) always get a full
+all-reduce: skipping them would save almost nothing. (At ``--d-model 256``
+the MLP's 1024-element bias reaches ``min_size`` and is skipped too.)
 
 It runs on 8 simulated CPU devices unless several real devices are present::
 
@@ -75,9 +79,10 @@ LABELS = {
     "random": "Random SkipReduce (all leaves)",
 }
 # Directories of the standard library left out of the corpus: tests (much
-# generated or repetitive data), the IDLE GUI and third-party packages.
-_SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages",
-                           "dist-packages", "__pycache__"})
+# generated or repetitive data), the codecs (near-identical generated tables),
+# the IDLE GUI and third-party packages.
+_SKIPPED_DIRS = frozenset({"test", "tests", "encodings", "idlelib",
+                           "site-packages", "dist-packages", "__pycache__"})
 # The file order (and so the train/validation split) does not depend on
 # --seed: every seed sees the same corpus.
 _CORPUS_SEED = 1234
@@ -120,10 +125,11 @@ def stdlib_files(root: Path) -> list[Path]:
 def load_corpus(train_bytes: int, val_bytes: int) -> Corpus:
     """Reads standard-library source into a training and a validation stream.
 
-    The files are shuffled with a fixed seed; validation takes whole files
-    from the front of that order until it has ``val_bytes``, training takes
-    the following files until it has ``train_bytes`` (the last file cut).
-    Files are separated by a blank line.
+    The files are shuffled with a fixed seed; validation takes files from the
+    front of that order until it has ``val_bytes`` (its last file cut, the
+    rest of that file unused), training takes the following files until it
+    has ``train_bytes`` (the last file cut). Files are separated by a blank
+    line.
 
     Args:
       train_bytes: size of the training stream.
@@ -568,6 +574,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     add("--out", type=Path, default=Path("out"), help="output directory")
     add("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
+    for name in ("steps", "batch_per_rank", "seq_len", "d_model", "layers",
+                 "heads", "eval_every", "val_windows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("lr", "train_mb", "val_mb"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0.0 <= args.skip_ratio <= 1.0:
+        parser.error("--skip-ratio must be in [0, 1]")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = set(variants) - set(VARIANTS)
     if unknown or not variants:

@@ -54,6 +54,7 @@ __all__ = [
     "ENV_PROCESS_ID",
     "LAUNCHER_DEFAULTS",
     "ProcessInfo",
+    "cluster_detected",
     "gloo_interface_in_use",
     "initialize",
     "launcher_env_present",
@@ -196,7 +197,7 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
             settings.pop("coordinator_bind_address", None)
         init_kwargs: dict[str, Any] = {**LAUNCHER_DEFAULTS, **settings, **kwargs}
         jax.distributed.initialize(**init_kwargs)
-    elif kwargs or _cluster_detected():
+    elif kwargs or cluster_detected():
         _check_backend_not_started(xla_bridge)
         if interface is not None:
             _install_gloo_interface(interface)
@@ -288,7 +289,7 @@ def _launcher_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     return settings
 
 
-def _cluster_detected() -> bool:
+def cluster_detected() -> bool:
     """Tells whether ``jax.distributed.initialize()`` would find a cluster.
 
     Mirrors ``jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params``:
