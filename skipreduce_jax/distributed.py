@@ -150,7 +150,9 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
             the host name resolves to, which on many machines is 127.0.0.1,
             so that processes on other hosts cannot reach it. ``None`` reads
             :data:`ENV_GLOO_INTERFACE`; if that is unset too, gloo keeps its
-            default. Ignored when no multi-process runtime is started.
+            default. It is checked (it must exist and, on Linux, have an
+            address) even when no multi-process runtime is started, where
+            it is then not used.
         **kwargs: Passed to ``jax.distributed.initialize``. Under the launcher
             they override the launcher's values and :data:`LAUNCHER_DEFAULTS`
             (e.g. ``heartbeat_timeout_seconds=60``); otherwise, any keyword
@@ -158,8 +160,9 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
             cluster is detected.
 
     Raises:
-        ValueError: If ``gloo_interface`` names no interface of this host, or
-            a launcher environment variable is malformed.
+        ValueError: If ``gloo_interface`` names no interface of this host (or
+            one without an address), or a launcher environment variable is
+            malformed.
         RuntimeError: If the JAX backend was already started, or the installed
             JAX does not offer what ``gloo_interface`` needs.
 
@@ -401,6 +404,32 @@ def _check_interface(interface: str, *, from_env: bool) -> None:
             f"available: {', '.join(names) or '(none)'}. Pass one of these, or leave "
             f"gloo_interface and {ENV_GLOO_INTERFACE} unset to keep gloo's default."
         )
+    if _interface_has_address(interface) is False:
+        raise ValueError(
+            f"{source}={interface!r} has no IPv4 or IPv6 address (is it up and "
+            "configured?): gloo binds to an address of the interface."
+        )
+
+
+def _interface_has_address(interface: str) -> bool | None:
+    """Whether ``interface`` has an IP address; None where this cannot be told."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            siocgifaddr = 0x8915  # from <linux/sockios.h>
+            fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", interface.encode()[:15]))
+        return True
+    except OSError:
+        pass  # no IPv4 address (or no AF_INET socket): try IPv6
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            return any(line.split()[-1:] == [interface] for line in f)
+    except OSError:
+        return None
 
 
 def _install_gloo_interface(interface: str) -> None:

@@ -495,6 +495,15 @@ def test_bad_gloo_interface(clean_env: pytest.MonkeyPatch) -> None:
         distributed.initialize()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="address lookup: Linux only")
+def test_gloo_interface_needs_an_address(clean_env: pytest.MonkeyPatch) -> None:
+    assert distributed._interface_has_address("lo") is True
+    # An interface that exists but has no address (as a down or bare one).
+    clean_env.setattr(distributed, "_interface_has_address", lambda name: False)
+    with pytest.raises(ValueError, match="gloo_interface='lo' has no IPv4 or IPv6 address"):
+        distributed.initialize(gloo_interface="lo")
+
+
 def test_gloo_interface_factory_checks_jax_internals(monkeypatch: pytest.MonkeyPatch) -> None:
     from jax._src import xla_bridge
 
