@@ -244,10 +244,11 @@ def skip_reduce(
       error_feedback: keep, per rank, what skipping dropped from the local
         gradient and add it to the next step's (beyond the paper). The
         residual lives in the state and varies over ``axis_name``; place it
-        with :func:`state_specs`. A step in which any rank's gradient holds
-        a NaN or Inf leaves every residual as it was (one tiny all-reduce
-        per step decides), so a non-finite value is never carried into
-        later steps; use ``check_finite`` to skip that step's update too.
+        with :func:`state_specs`. A step whose update is not finite leaves
+        every residual as it was, and a NaN or Inf left out of a finite
+        update is not kept, so a non-finite value is never carried into
+        later steps (with ``check_finite`` and ``optax.apply_if_finite``
+        such a step is skipped whole).
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
         ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
@@ -462,22 +463,25 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     reduced_it, rest_it = iter(reduced), iter(rest)
     out = [next(reduced_it) if s else next(rest_it) for s in skippable]
 
-    if config.check_finite or residuals is not None:
+    if config.check_finite:
         # One flag for all ranks: True when every rank's gradient is finite.
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
         finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
+        out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     residual = state.residual
     if residuals is not None:
+        # The update is identical on every rank, so every rank takes the same
+        # branch: a non-finite update (to be skipped, e.g. by apply_if_finite)
+        # leaves the residuals as they were; after a finite one, what was
+        # left out is kept, except non-finite values, which would come back
+        # piece by piece in the steps after.
+        applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in out]))
         kept_it = iter(kept)
         new = [next(kept_it)[None] if s else r
                for s, r in zip(skippable, residuals)]
-        # A non-finite step leaves the residual as it was: a NaN stored there
-        # would come back, piece by piece, in the steps after it.
-        new = [jnp.where(finite, x.astype(r.dtype), r)
-               for x, r in zip(new, residuals)]
+        new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r)
+               .astype(r.dtype) for x, r in zip(new, residuals)]
         residual = jax.tree_util.tree_unflatten(treedef, new)
-    if config.check_finite:
-        out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     if config.verify_sync:
         _verify_sync(state, axes)
     new_state = state._replace(count=state.count + 1, residual=residual)

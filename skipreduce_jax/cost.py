@@ -552,9 +552,9 @@ def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
     r = _check_real("skip_ratio", skip_ratio)
     if r > 1:
         raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
-    # Exact arithmetic on the ratio as written (0.7 is 7/10, not the float
-    # just below it), so that 0.7 of 45 steps, 31.5, rounds up to 32.
-    exact = fractions.Fraction(repr(float(r)))
+    # Exact arithmetic on the ratio meant (0.7 is 7/10 and 1/6 is 1/6, not
+    # the floats next to them), so that 0.7 of 45 steps, 31.5, rounds up.
+    exact = fractions.Fraction(float(r)).limit_denominator(10**6)
     k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
     return min(max(k, 0), n - 1)
 

@@ -158,10 +158,11 @@ def launch(
     # All processes meet on 127.0.0.1: gloo on loopback needs no resolvable
     # host name, and no proxy may carry the coordinator's connections.
     base_env.setdefault(ENV_GLOO_INTERFACE, _loopback_interface())
-    for name in ("no_proxy", "NO_PROXY"):
-        hosts = [h for h in base_env.get(name, "").split(",") if h]
-        base_env[name] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost")
-                                           if h not in hosts])
+    hosts: list[str] = []
+    for name in ("no_proxy", "NO_PROXY"):  # both spellings get the union
+        hosts += [h for h in base_env.get(name, "").split(",") if h and h not in hosts]
+    hosts += [h for h in ("127.0.0.1", "localhost") if h not in hosts]
+    base_env["no_proxy"] = base_env["NO_PROXY"] = ",".join(hosts)
     base_env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
     base_env[ENV_NUM_PROCESSES] = str(num_processes)
     base_env[ENV_LOCAL_DEVICES] = str(devices_per_process)

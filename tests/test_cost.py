@@ -587,10 +587,14 @@ def test_docstring_examples() -> None:
     assert result.failed == 0
 
 
-def test_decimal_skip_ratios_round_half_up_exactly():
-    # 0.7 * 45 is 31.5 on paper but 31.499... in floats: the rule must see 31.5.
+def test_decimal_and_fractional_skip_ratios_round_half_up_exactly():
+    # 0.7 * 45 is 31.5 on paper but 31.499... in floats, and 1/6 * 3 is 0.5
+    # but 0.49999...: the rule must see the ratio meant.
     from fractions import Fraction
+    ratios = {Fraction(p, q) for q in range(1, 13) for p in range(q + 1)}
+    ratios |= {Fraction(h, 100) for h in range(101)}
     for n in range(2, 200):
-        for hundredths in range(101):
-            want = (Fraction(hundredths, 100) * (n - 1) + Fraction(1, 2)).__floor__()
-            assert skip_ratio_to_num_skip(hundredths / 100, n) == want, (hundredths, n)
+        for ratio in ratios:
+            want = (ratio * (n - 1) + Fraction(1, 2)).__floor__()
+            assert skip_ratio_to_num_skip(ratio.numerator / ratio.denominator,
+                                          n) == want, (ratio, n)

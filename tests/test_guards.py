@@ -143,3 +143,33 @@ def test_error_feedback_never_stores_a_non_finite_residual(check_finite):
     np.testing.assert_array_equal(residuals[1], residuals[0])
     assert np.isfinite(residuals[2]).all()
     assert not np.array_equal(residuals[2], residuals[1])
+
+
+def test_error_feedback_drops_a_non_finite_value_that_skipping_left_out():
+    # Static schedule, N = 8, k = 4: rank 2's value of element e is always
+    # left out. A NaN there at step 1 never reaches the update, which is
+    # applied; the residual must not keep it, and every other element's
+    # bookkeeping stays exact (integer-valued gradients).
+    kw = dict(num_skip=4, randomize=False)
+    x = np.ones((N, 4096), np.float32)
+    mask = per_rank(lambda g: sr.contribution_mask(g, "i", key=None, **kw), x, n=N)
+    e = int(np.flatnonzero(~mask[2])[0])
+    steps = 3
+    g = np.random.default_rng(1).integers(-50, 50, size=(steps, N, 4096))
+    g = g.astype(np.float32)
+    g[1, 2, e] = np.nan
+    tx = sr.skip_reduce("i", min_size=0, error_feedback=True, **kw)
+
+    def f(grads):
+        state = tx.init(grads[0])
+        delivered = jnp.zeros_like(grads[0])
+        for t in range(steps):
+            out, state = tx.update(grads[t], state)
+            delivered = delivered + out
+        return delivered, state.residual[0]
+
+    delivered, residual = per_rank(f, np.swapaxes(g, 0, 1), n=N)
+    assert np.isfinite(delivered).all() and np.isfinite(residual).all()
+    total = np.nan_to_num(g, nan=0.0).sum(axis=(0, 1))
+    total[e] -= g[0, 2, e]  # rank 2's residual at e was swallowed by the NaN
+    np.testing.assert_array_equal(delivered[0] * N + residual.sum(0), total)

@@ -536,3 +536,13 @@ def test_gloo_interface_factory_checks_jax_internals(monkeypatch: pytest.MonkeyP
     finally:
         jax.config.update("jax_cpu_collectives_implementation", before)
     assert len(registered) == 1
+
+
+@pytest.mark.slow
+def test_no_proxy_keeps_the_users_hosts(capfd: pytest.CaptureFixture[str]) -> None:
+    env = {**_env(), "NO_PROXY": "internal.corp"}
+    env.pop("no_proxy", None)
+    assert launch.launch(ECHO, [], num_processes=1, env=env, timeout=60) == 0
+    line = next(line for line in capfd.readouterr().out.splitlines() if " env " in line)
+    hosts = re.search(r"no_proxy=(\S*)", line).group(1).split(",")
+    assert {"internal.corp", "127.0.0.1", "localhost"} <= set(hosts), line

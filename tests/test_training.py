@@ -154,29 +154,40 @@ def _mse(params, batch):
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
 
+def _squared_mean_error(params, batch):
+    # Not a mean over samples: a piece's gradient is not the batch's.
+    return jnp.mean(batch["x"] @ params["w"] - batch["y"]) ** 2
+
+
 @pytest.mark.parametrize("num_skip", [0, 3])
 def test_microbatches_accumulate_locally_before_one_reduction(num_skip):
-    # A mean loss over equal pieces: the accumulated local gradient equals the
-    # whole local batch's, so the step equals the step without microbatches.
+    # microbatches=4 equals one step on a loss that averages the loss of the
+    # 4 pieces itself, and differs from the loss of the whole local batch.
     mesh = jax.make_mesh((N,), ("data",))
     tx = optax.chain(sr.skip_reduce("data", num_skip=num_skip, min_size=0),
                      optax.sgd(0.1))
-    results = []
-    for m in (1, 4):
+
+    def piecewise(params, batch):
+        pieces = jax.tree_util.tree_map(lambda x: x.reshape((4, -1) + x.shape[1:]),
+                                        batch)
+        return jnp.mean(jax.vmap(_squared_mean_error, (None, 0))(params, pieces))
+
+    runs = {}
+    for name, loss, m in (("micro", _squared_mean_error, 4),
+                          ("reference", piecewise, 1),
+                          ("whole", _squared_mean_error, 1)):
         params, state, batch = _regression_setup(tx, mesh)
-        step = sr.make_train_step(_mse, tx, mesh, microbatches=m, donate=False)
-        results.append(step(params, state, batch))
-        text = step.lower(params, state, batch).compile().as_text()
-        reductions = sr.collective_traffic(text)
-        results[-1] += (reductions.count("collective-permute"),
-                        reductions.count("all-reduce"))
-    (p1, _, l1, perm1, ar1), (p4, _, l4, perm4, ar4) = results
-    np.testing.assert_allclose(np.asarray(p4["w"]), np.asarray(p1["w"]),
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(l4), float(l1), rtol=1e-5)
-    assert (perm4, ar4) == (perm1, ar1)  # one reduction per step either way
-    assert not np.allclose(np.asarray(p1["w"]),
-                           np.asarray(_regression_setup(tx, mesh)[0]["w"]))
+        step = sr.make_train_step(loss, tx, mesh, microbatches=m, donate=False)
+        new_params, _, value = step(params, state, batch)
+        traffic = sr.collective_traffic(
+            step.lower(params, state, batch).compile().as_text())
+        runs[name] = (np.asarray(new_params["w"]), float(value),
+                      traffic.count("collective-permute"), traffic.count("all-reduce"))
+    micro, reference, whole = runs["micro"], runs["reference"], runs["whole"]
+    np.testing.assert_allclose(micro[0], reference[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(micro[1], reference[1], rtol=1e-5)
+    assert not np.allclose(micro[0], whole[0], rtol=1e-4, atol=1e-5)
+    assert micro[2:] == whole[2:]  # one reduction per step either way
 
 
 def test_microbatches_must_divide_the_local_batch():
