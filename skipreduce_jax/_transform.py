@@ -436,7 +436,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
 
     def full(picked):
         out = _pmean(picked, axes, config.accumulate_dtype)
-        kept = [jnp.zeros_like(g) for g in picked] if residuals else None
+        kept = ([jnp.zeros_like(g) for g in picked] if residuals is not None
+                else None)
         return out, kept
 
     def skipped(picked):
@@ -465,8 +466,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
 
     if config.check_finite:
         # One flag for all ranks: True when every rank's gradient is finite.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
-        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
+        finite = lax.pmin(_all_finite(leaves).astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     residual = state.residual
     if residuals is not None:
@@ -475,7 +475,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # leaves the residuals as they were; after a finite one, what was
         # left out is kept, except non-finite values, which would come back
         # piece by piece in the steps after.
-        applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in out]))
+        applied = _all_finite(out)
         kept_it = iter(kept)
         new = [next(kept_it)[None] if s else r
                for s, r in zip(skippable, residuals)]
@@ -486,6 +486,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         _verify_sync(state, axes)
     new_state = state._replace(count=state.count + 1, residual=residual)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    """A bool scalar: no NaN or Inf in any of ``arrays`` (True if none)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]
+                             or [jnp.array(True)]))
 
 
 def _wide(dtype: Any, accumulate_dtype: Any) -> np.dtype:

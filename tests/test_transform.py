@@ -336,3 +336,15 @@ def test_flax_params_stay_bit_identical_over_50_steps():
         assert len(shards) == N
         for s in shards[1:]:
             np.testing.assert_array_equal(s, shards[0])
+
+
+def test_an_empty_tree_passes_through_with_every_option():
+    tx = sr.skip_reduce("i", num_skip=2, min_size=0, error_feedback=True,
+                        check_finite=True, warmup_steps=1)
+
+    def f(g):
+        out, state = tx.update({}, tx.init({}))
+        assert out == {} and state.residual == {}
+        return g
+
+    np.testing.assert_array_equal(per_rank(f, np.ones((N, 3), np.float32), n=N), 1.0)
