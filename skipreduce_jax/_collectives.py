@@ -100,6 +100,13 @@ def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
     return dtype
 
 
+def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
+    """The dtype values of ``dtype`` are added (and sent) in by the ring."""
+    if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype(accumulate_dtype)
+    return np.dtype(dtype)
+
+
 def check_normalize(normalize: Any, *, api: str) -> str:
     if normalize not in NORMALIZE_CHOICES:
         raise ValueError(
@@ -239,10 +246,7 @@ def _reduce(
         buffer = plan.pack(leaves, bucket)
         if dropped:
             left_out.append(_left_out(buffer, schedule, axis_name, inner))
-        acc_dtype = bucket.dtype
-        if accumulate_dtype is not None and jnp.issubdtype(
-                bucket.dtype, jnp.floating):
-            acc_dtype = accumulate_dtype
+        acc_dtype = summed_dtype(bucket.dtype, accumulate_dtype)
         if inner_axis is not None:
             buffer = lax.psum_scatter(buffer.astype(acc_dtype), inner_axis,
                                       tiled=True)

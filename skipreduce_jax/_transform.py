@@ -435,7 +435,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     picked = [g for g, s in zip(leaves, skippable) if s]
 
     def full(picked):
-        out = _pmean(picked, axes, config.accumulate_dtype)
+        out = _full_pmean(picked, axes, config.accumulate_dtype)
         kept = ([jnp.zeros_like(g) for g in picked] if residuals is not None
                 else None)
         return out, kept
@@ -459,8 +459,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     else:
         reduced, kept = skipped(picked)
 
-    rest = _pmean([g for g, s in zip(leaves, skippable) if not s], axes,
-                  config.accumulate_dtype)
+    rest = _full_pmean([g for g, s in zip(leaves, skippable) if not s], axes,
+                       config.accumulate_dtype)
     reduced_it, rest_it = iter(reduced), iter(rest)
     out = [next(reduced_it) if s else next(rest_it) for s in skippable]
 
@@ -494,17 +494,11 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
                              or [jnp.array(True)]))
 
 
-def _wide(dtype: Any, accumulate_dtype: Any) -> np.dtype:
-    """The dtype a leaf of ``dtype`` is summed (and sent) in."""
-    if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(accumulate_dtype)
-    return np.dtype(dtype)
-
-
-def _pmean(leaves: list[jax.Array], axes: tuple[str, ...],
-           accumulate_dtype: Any) -> list[jax.Array]:
+def _full_pmean(leaves: list[jax.Array], axes: tuple[str, ...],
+                accumulate_dtype: Any) -> list[jax.Array]:
     """``lax.pmean``, summing in ``accumulate_dtype`` as the ring does."""
-    wide = [g.astype(_wide(g.dtype, accumulate_dtype)) for g in leaves]
+    wide = [g.astype(coll.summed_dtype(g.dtype, accumulate_dtype))
+            for g in leaves]
     return [m.astype(g.dtype) for m, g in zip(lax.pmean(wide, axes), leaves)]
 
 
@@ -596,11 +590,13 @@ def comm_stats(
                         bucket_bytes=config.bucket_bytes,
                         chunks_per_rank=config.chunks_per_rank)
     # The reduce-scatter sends accumulate_dtype, the gather the leaves' own.
-    acc = config.accumulate_dtype
+    def summed(dtype):
+        return coll.summed_dtype(dtype, config.accumulate_dtype).itemsize
+
     skip_sent = sum(
-        ((n - 1 - k) * _wide(b.dtype, acc).itemsize + (n - 1) * b.dtype.itemsize)
+        ((n - 1 - k) * summed(b.dtype) + (n - 1) * b.dtype.itemsize)
         / n * b.padded_size for b in plan.buckets) / inner
-    rest_bytes = sum(s * _wide(x.dtype, acc).itemsize for s, x, ok in
+    rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
                      zip(sizes, leaves, skippable) if not ok) / inner
     sent = skip_sent + ring * rest_bytes
     skipped = sum(s for s, ok in zip(sizes, skippable) if ok)

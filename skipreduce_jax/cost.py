@@ -1088,37 +1088,36 @@ def fit_link_model(
     tol = 1e-12 * total_ss
 
     allowed = {2} | ({0} if fit_overhead else set()) | ({1} if fit_alpha else set())
-    best: tuple[float, np.ndarray] | None = None
-    for support in _SUPPORTS:
-        if not set(support) <= allowed:
-            continue
-        cols = list(support)
+
+    def solve(cols: list[int]) -> tuple[float, np.ndarray] | None:
+        """Least squares on ``cols``; None unless every coefficient is >= 0."""
         sub = xs[:, cols]
         if np.linalg.matrix_rank(sub) < len(cols):
-            continue
+            return None
         coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        if np.any(coef < 0) or not coef[-1] > 0:
-            continue
+        if np.any(coef < 0):
+            return None
         resid = y - sub @ coef
-        sse = float(resid @ resid)
-        if best is None or sse < best[0] - tol:
-            full = np.zeros(3)
-            full[cols] = coef / norms[cols]
-            best = (sse, full)
+        return float(resid @ resid), coef
+
+    best: tuple[float, np.ndarray] | None = None
     # Without the bandwidth term: if a constant (or per-step) time explains
     # the points better than any fit with a positive bandwidth, the times do
     # not grow with the bytes and the bandwidth would be made up.
-    flat = None
-    for support in ((0,), (1,), (0, 1)):
+    flat: float | None = None
+    for support in _SUPPORTS + ((0,), (1,), (0, 1)):
         if not set(support) <= allowed:
             continue
-        sub = xs[:, list(support)]
-        if np.linalg.matrix_rank(sub) < len(support):
+        solved = solve(list(support))
+        if solved is None:
             continue
-        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        if np.all(coef >= 0):
-            resid = y - sub @ coef
-            flat = min(float(resid @ resid), np.inf if flat is None else flat)
+        sse, coef = solved
+        if support[-1] != 2:
+            flat = sse if flat is None else min(flat, sse)
+        elif coef[-1] > 0 and (best is None or sse < best[0] - tol):
+            full = np.zeros(3)
+            full[list(support)] = coef / norms[list(support)]
+            best = (sse, full)
     if best is None or (flat is not None and flat < best[0] - tol):
         raise ValueError(
             "measurements do not determine a positive bandwidth: time must grow "

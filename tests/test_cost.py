@@ -598,3 +598,12 @@ def test_decimal_and_fractional_skip_ratios_round_half_up_exactly():
             want = (ratio * (n - 1) + Fraction(1, 2)).__floor__()
             assert skip_ratio_to_num_skip(ratio.numerator / ratio.denominator,
                                           n) == want, (ratio, n)
+
+
+def test_fit_refuses_times_that_do_not_grow_with_bytes() -> None:
+    # Latency-bound points (about 1 ms whatever the size): a constant fits
+    # them within 1%; a positive bandwidth term would be made up.
+    flat = [Measurement(8, 0, b, t) for b, t in ((1e3, 1.01e-3), (1e4, 1.00e-3),
+                                                 (1e5, 0.99e-3))]
+    with pytest.raises(ValueError, match="do not determine a positive bandwidth"):
+        fit_link_model(flat)
