@@ -150,9 +150,20 @@ def launch(
     """
     script = os.fspath(script)
     _validate(script, num_processes, devices_per_process, timeout, port)
-    port = _free_port() if port is None else _check_port(port)
+    # Held until the job ends, so that no other program (another launch
+    # picking a free port, say) takes the port before process 0 binds it.
+    with _reserve_port(port) as reservation:
+        job_env = _job_env(reservation.getsockname()[1], num_processes,
+                           devices_per_process, env or {})
+        job = _Job([sys.executable, script, *args], job_env, num_processes, timeout)
+        return job.run()
+
+
+def _job_env(port: int, num_processes: int, devices_per_process: int,
+             env: Mapping[str, str]) -> dict[str, str]:
+    """The environment every process starts with (before its process id)."""
     base_env = dict(os.environ)
-    base_env.update(env or {})
+    base_env.update(env)
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"
     # All processes meet on 127.0.0.1: gloo on loopback needs no resolvable
@@ -167,8 +178,7 @@ def launch(
     base_env[ENV_NUM_PROCESSES] = str(num_processes)
     base_env[ENV_LOCAL_DEVICES] = str(devices_per_process)
     base_env[ENV_LAUNCHER_PID] = str(os.getpid())
-    job = _Job([sys.executable, script, *args], base_env, num_processes, timeout)
-    return job.run()
+    return base_env
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,29 +302,35 @@ def _loopback_interface() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _reserve_port(port: int | None) -> socket.socket:
+    """Binds, without listening, a socket to ``port`` (``None``: a free one).
 
-
-def _check_port(port: int) -> int:
-    # SO_REUSEADDR as the coordinator's gRPC server uses it: then a bind only
-    # fails if some socket listens on the port (not for TIME_WAIT leftovers).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    The socket has SO_REUSEADDR, as the coordinator's gRPC server has, so
+    the coordinator can still bind and listen while this socket holds the
+    port, while a program that asks the kernel for a free port never gets
+    it, and a plain bind to it fails. Without the reservation the port is
+    free between being chosen here and being bound by process 0, whose
+    coordinator crashes if another program took it in between.
+    (SO_REUSEPORT is left off: with it the bind would also succeed while
+    another job's coordinator listens on the port.)
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                reason = "already in use"
-            else:
-                reason = f"not usable ({err.strerror})"
-            raise LaunchError(
-                f"--port {port} is {reason} on 127.0.0.1; nothing was started. Pass another "
-                "--port, or leave --port out to use a free port."
-            ) from None
-    return port
+        # Fails if a socket listens on the port or holds it without
+        # SO_REUSEADDR; not for TIME_WAIT leftovers.
+        sock.bind(("127.0.0.1", port or 0))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            reason = "already in use"
+        else:
+            reason = f"not usable ({err.strerror})"
+        raise LaunchError(
+            f"--port {port} is {reason} on 127.0.0.1; nothing was started. Pass another "
+            "--port, or leave --port out to use a free port."
+        ) from None
+    return sock
 
 
 # --------------------------------------------------------------------------

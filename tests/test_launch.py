@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import signal
@@ -351,6 +352,39 @@ def test_port_in_use(tmp_path: Path) -> None:
     assert f"--port {port} is already in use" in proc.stderr, proc.stderr
     assert proc.stdout == ""
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_chosen_port_is_held_until_the_job_ends(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Another program binds the chosen port after the launcher chose it and
+    # before process 0's coordinator binds it (the race, made certain).
+    rival_errors: list[int] = []
+    ports: list[int] = []
+    run = launch._Job.run
+
+    def run_after_a_rival(job: launch._Job) -> int:
+        port = int(job.env[distributed.ENV_COORDINATOR].rsplit(":", 1)[1])
+        ports.append(port)
+        with socket.socket() as rival:
+            try:
+                rival.bind(("127.0.0.1", port))
+                rival.listen()
+            except OSError as err:
+                rival_errors.append(err.errno)
+            return run(job)
+
+    monkeypatch.setattr(launch._Job, "run", run_after_a_rival)
+    code = launch.launch(COLLECTIVE, ["2", "1"], num_processes=2, env=_env(), timeout=100)
+    out, err = capfd.readouterr()
+    assert rival_errors == [errno.EADDRINUSE]
+    assert code == 0, out + err
+    assert sorted(launcher_results(out)) == [0, 1], out
+    # Released afterwards: the port can be bound again.
+    with socket.socket() as after:
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", ports[0]))
 
 
 @pytest.mark.parametrize(
