@@ -205,32 +205,43 @@ def train(name: str, reduce_kwargs: dict[str, Any], args: argparse.Namespace,
                 f"{accuracy(params, x_test, y_test):.4f}")
             evaluating += time.perf_counter() - began
     per_step = ((time.perf_counter() - start - evaluating)
-                / max(len(batches) - 1, 1))
+                / (len(batches) - 1))
     sr.assert_replicated((params, opt_state), mesh)
     return params, losses, per_step
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-per-device", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200,
+                        help="training steps per variant (>= 2: the first "
+                        "compiles and is not timed)")
+    parser.add_argument("--batch-per-device", type=int, default=16,
+                        help="training examples per device per step")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="Adam learning rate")
     parser.add_argument("--skip-ratio", type=float, default=0.5,
                         help="fraction of the N-1 reduce-scatter steps skipped")
     parser.add_argument("--static", action="store_true",
                         help="static SkipReduce (randomize=False) instead of "
                         "Random SkipReduce")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="init, batch order and SkipReduce seed")
     parser.add_argument("--baseline", action="store_true",
                         help="also train with a full all-reduce to compare")
-    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=20,
+                        help="print the loss every K steps")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also print the test accuracy every K steps")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_per_device", "log_every"):
+    for name in ("batch_per_device", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step compiles and is "
+                     "not timed)")
     if args.eval_every < 0:
         parser.error("--eval-every must be >= 0 (0: off)")
     if not args.lr > 0:

@@ -414,7 +414,7 @@ def train_variant(variant: str, config: Config, model: ByteTransformer,
         bits_per_byte=final / math.log(2),
         seconds=seconds,
         cpu_seconds=cpu_seconds,
-        step_ms=1e3 * float(np.median(step_times[1:] or step_times)),
+        step_ms=1e3 * float(np.median(step_times[1:])),  # after compiling
         comm=comm._asdict(),
     )
 
@@ -578,6 +578,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
                  "heads", "eval_every", "val_windows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step compiles and is "
+                     "not timed)")
+    if args.min_size < 0 or args.warmup < 0:
+        parser.error("--min-size and --warmup must be >= 0")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of "
+                     f"--heads {args.heads}")
     for name in ("lr", "train_mb", "val_mb"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
@@ -587,6 +595,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Name
     unknown = set(variants) - set(VARIANTS)
     if unknown or not variants:
         parser.error(f"--variants: choose from {','.join(VARIANTS)}")
+    if len(set(variants)) != len(variants):
+        parser.error(f"--variants names a variant twice: {args.variants}")
     config = Config(
         steps=args.steps, batch_per_rank=args.batch_per_rank,
         seq_len=args.seq_len, d_model=args.d_model, layers=args.layers,

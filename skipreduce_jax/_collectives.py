@@ -14,6 +14,7 @@ native all-gather over the inner axis.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Literal
 
 import jax
@@ -101,9 +102,14 @@ def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
 
 
 def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
-    """The dtype values of ``dtype`` are added (and sent) in by the ring."""
+    """The dtype values of ``dtype`` are added (and sent) in by the ring.
+
+    For floating leaves, the promotion of ``dtype`` and ``accumulate_dtype``:
+    never narrower than the leaf (float32 leaves with a float16
+    ``accumulate_dtype`` are still summed in float32).
+    """
     if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(accumulate_dtype)
+        return np.dtype(jnp.promote_types(dtype, accumulate_dtype))
     return np.dtype(dtype)
 
 
@@ -414,11 +420,13 @@ def skip_psum(
       inner_axis: hierarchical mode: a second (fast) axis summed in full;
         only ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot, each randomized on its own;
-        None picks at least 4 when each holds a few hundred elements.
+        None picks about one per 256 elements of a slot, at most 64, lowered
+        by up to half where that avoids padding.
       bucket_bytes: the byte cap of one packed buffer (one ring each); a
         leaf of at least a quarter of it gets a buffer of its own.
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16/float16 values in
-        float32 (the reduce-scatter then sends float32).
+        float32 (the reduce-scatter then sends float32). Each leaf is added
+        in the promotion of its dtype and this one, never in a narrower one.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
 
     Returns:
@@ -433,6 +441,9 @@ def skip_psum(
     """
     api = "skip_psum"
     _check_floating(jax.tree_util.tree_leaves(x), api)
+    if not isinstance(rescale, (bool, np.bool_)):
+        raise TypeError(f"{api}: rescale={rescale!r} must be a bool (True: "
+                        "multiply the sum by N / (N - k)).")
     scale = None
     if rescale:
         n, _ = _axes(axis_name, inner_axis, api)
@@ -491,8 +502,11 @@ def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
                             ) -> tuple[Any, Any]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
-    Error feedback keeps the second result for the next step; it equals
-    ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same arguments.
+    Takes exactly the arguments of :func:`skip_pmean`. Error feedback keeps
+    the second result for the next step; it equals
+    ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same
+    ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``inner_axis``,
+    ``chunks_per_rank`` and ``bucket_bytes``.
 
     Args:
       x: as in :func:`skip_pmean`.
@@ -509,8 +523,18 @@ def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
       ...         g, "data", key=jax.random.key(0), num_skip=1)
       ...     return mean, left_out  # keep left_out, add it to the next g
     """
-    return _pmean(x, axis_name, **kwargs, api="skip_pmean_and_left_out",
-                  dropped=True)
+    api = "skip_pmean_and_left_out"
+    try:
+        args = inspect.signature(skip_pmean).bind(x, axis_name, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{api}: {e}; it takes the arguments of skip_pmean."
+                        ) from None
+    return _pmean(**args.arguments, api=api, dropped=True)
+
+
+# help() and IDEs show skip_pmean's parameters.
+skip_pmean_and_left_out.__signature__ = inspect.signature(skip_pmean).replace(
+    return_annotation=tuple[Any, Any])
 
 
 def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,

@@ -41,9 +41,9 @@ MAX_CHUNKS_PER_RANK = 64
 def default_chunks_per_rank(slot_elements: int) -> int:
     """Sub-chunks per ring slot used when the caller does not choose.
 
-    At least 4 whenever each would hold ``MIN_SUBCHUNK_ELEMENTS`` elements, more
-    for big slots (up to ``MAX_CHUNKS_PER_RANK``) so that one slot's elements are
-    not dropped together.
+    About one per ``MIN_SUBCHUNK_ELEMENTS`` elements of the slot, at least 1
+    and at most ``MAX_CHUNKS_PER_RANK``, so that one slot's elements are not
+    dropped together.
 
     Args:
         slot_elements: elements in one of the N ring slots.

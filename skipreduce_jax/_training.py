@@ -47,6 +47,20 @@ def _as_tuple(axis_name: AxisNames) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
+def _mesh_axes(mesh: jax.sharding.Mesh, axis_name: AxisNames, *, api: str
+               ) -> tuple[str, ...]:
+    """``axis_name`` as a tuple, refused unless every name is a mesh axis."""
+    axes = _as_tuple(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if not axes or missing:
+        raise ValueError(
+            f"{api}: axis_name={axis_name!r} is not an axis of the mesh, whose "
+            f"axes are {tuple(mesh.axis_names)}. Pass the data axis, e.g. "
+            f"axis_name={mesh.axis_names[0]!r}, or a tuple (outer, inner) of "
+            "mesh axes for hierarchical SkipReduce.")
+    return axes
+
+
 def to_varying(tree: Any, axis_name: AxisNames) -> Any:
     """Types ``tree`` as varying over ``axis_name`` (no data moves).
 
@@ -197,7 +211,7 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
     batch (``jax.make_array_from_process_local_data``); in one process the
     whole batch.
     """
-    axes = _as_tuple(axis_name)
+    axes = _mesh_axes(mesh, axis_name, api="shard_batch")
     sharding = NamedSharding(mesh, P(axes[0] if len(axes) == 1 else axes))
     if jax.process_count() > 1:
         return jax.tree_util.tree_map(
@@ -227,7 +241,8 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     Raises:
       ValueError: if the seed or the settings differ between devices.
     """
-    specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
+    axes = _mesh_axes(mesh, axis_name, api="init_opt_state")
+    specs = state_specs(jax.eval_shape(tx.init, params), axes)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
                          check_vma=True)
     opt_state = jax.jit(init)(params)
@@ -303,10 +318,18 @@ def make_train_step(
         dimension must divide evenly), their gradients averaged locally.
 
     Returns:
-      The jitted step.
+      The jitted step. On simulated CPU devices read a result (e.g.
+      ``float(loss)``) at least every few dozen steps: with too many steps
+      queued, XLA's in-process collectives time out waiting for each other.
+
+    Raises:
+      ValueError: if ``axis_name`` is not an axis of ``mesh``, or (at the
+        first call) if ``tx`` leaves the gradients unreduced.
     """
-    axes = _as_tuple(axis_name)
+    axes = _mesh_axes(mesh, axis_name, api="make_train_step")
     batch_spec = P(axes[0] if len(axes) == 1 else axes)
+    if not isinstance(donate, (bool, np.bool_)):
+        raise TypeError(f"make_train_step: donate={donate!r} must be a bool.")
     if isinstance(microbatches, bool) or not isinstance(
             microbatches, (int, np.integer)) or microbatches < 1:
         raise ValueError(f"make_train_step: microbatches={microbatches!r} must "
@@ -330,6 +353,7 @@ def make_train_step(
     def local_step(params, opt_state, batch):
         loss, grads = local_value_and_grads(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
+        _check_reduced(updates, axes)
         return (optax.apply_updates(params, updates), opt_state,
                 lax.pmean(loss, axes))
 
@@ -342,6 +366,21 @@ def make_train_step(
         return sharded(params, opt_state, batch)
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:
+    """Refuses updates that still differ by rank (``tx`` reduced nothing)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
+        varying = sorted(coll.varying_axes(leaf) & set(axes))
+        if varying:
+            raise ValueError(
+                f"make_train_step: tx returned an update at "
+                f"{jax.tree_util.keystr(path) or 'the root'} that still varies "
+                f"over {varying}: the step hands tx each rank's local "
+                "gradients, and tx must average them. Put "
+                f"skip_reduce({axes[0]!r}, ...) first in the optax.chain (a "
+                f"plain all-reduce baseline is skip_reduce({axes[0]!r}, "
+                "num_skip=0, min_size=0)).")
 
 
 def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:

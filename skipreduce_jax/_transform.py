@@ -256,6 +256,7 @@ def skip_reduce(
       accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
         float32, in the skipped ring and in the full all-reduces alike (they
         send the wider dtype; the ring's gather sends the gradients' own).
+        A leaf wider than it is summed in its own dtype.
       check_finite: one tiny extra all-reduce per step: if any rank's local
         gradient holds a NaN or Inf, every element of the update becomes NaN
         on every rank. Without it a non-finite value reaches only the
@@ -400,6 +401,15 @@ def _check_local(leaves: list[jax.Array], config: _Config) -> None:
         return
     for leaf in leaves:
         missing = set(_axes(config)) - coll.varying_axes(leaf)
+        if missing == {config.inner_axis}:
+            outer, inner = config.axis_name, config.inner_axis
+            raise ValueError(
+                f"{_API}: got a gradient of shape {leaf.shape} that is local "
+                f"over {outer!r} but already summed over the inner axis "
+                f"{inner!r}: the local gradients were taken over {outer!r} "
+                f"only. With hierarchical SkipReduce pass axis_name=({outer!r}, "
+                f"{inner!r}) to make_train_step, init_opt_state, shard_batch, "
+                "state_specs and local_grad / local_value_and_grad.")
         if missing:
             raise ValueError(
                 f"{_API}: got a gradient of shape {leaf.shape} that is "
@@ -551,17 +561,18 @@ def comm_stats(
     """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
 
     Counts ring traffic (a full all-reduce sends 2(N-1)/N of the buffer per
-    device; SkipReduce (2(N-1)-k)/N of the padded buffer), after skipping
-    ends (``warmup_steps`` excluded). With ``inner_axis`` it counts traffic
-    over ``axis_name`` only, on the 1/L shards (pass ``inner_size=L``).
+    device; SkipReduce (2(N-1)-k)/N of the padded buffer) once the warm-up
+    is over (the ``warmup_steps`` full all-reduces are not counted). With
+    ``inner_axis`` it counts traffic over ``axis_name`` only, on the 1/L
+    shards (pass ``inner_size=L``).
 
     Args:
       grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
         gradients.
       axis_size: N, the size of ``axis_name``.
-      params: passed to a callable ``selective``.
-      **skip_reduce_kwargs: the arguments of :func:`skip_reduce` (and
-        ``inner_size``).
+      params: passed to a callable ``selective`` (required then).
+      **skip_reduce_kwargs: the arguments of :func:`skip_reduce`, and
+        ``inner_size`` (L, the size of ``inner_axis``; required with it).
 
     Returns:
       :class:`CommStats`.
@@ -571,12 +582,32 @@ def comm_stats(
       >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding
       0.714
     """
-    inner = skip_reduce_kwargs.pop("inner_size", 1)
-    args = inspect.signature(skip_reduce).bind(
-        skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
+    api = "comm_stats"
+    inner = skip_reduce_kwargs.pop("inner_size", None)
+    try:
+        args = inspect.signature(skip_reduce).bind(
+            skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
+    except TypeError as e:
+        raise TypeError(f"{api}: {e}; it takes the keyword arguments of "
+                        "skip_reduce, inner_size and params.") from None
     args.apply_defaults()
     config = _make_config(**args.arguments)
-    n = axis_size
+    for name, value in (("axis_size", axis_size),
+                        ("inner_size", 1 if inner is None else inner)):
+        if isinstance(value, bool) or not isinstance(
+                value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{api}: {name}={value!r} must be an int >= 1.")
+    if (config.inner_axis is None) != (inner is None):
+        raise ValueError(
+            f"{api}: pass inner_axis and inner_size together (got inner_axis="
+            f"{config.inner_axis!r}, inner_size={inner!r}): the traffic over "
+            "axis_name is counted on shards of 1/inner_size of each leaf.")
+    if callable(config.selective) and not isinstance(
+            config.selective, PathSelector) and params is None:
+        raise ValueError(f"{api}: selective is a callable of the params; pass "
+                         "them as comm_stats(..., params=params).")
+    inner = 1 if inner is None else int(inner)
+    n = int(axis_size)
     k = config.resolve_num_skip(n)
     leaves = jax.tree_util.tree_leaves(grads)
     # With k = 0 every leaf takes the plain pmean, as in update().
@@ -601,6 +632,7 @@ def comm_stats(
     sent = skip_sent + ring * rest_bytes
     skipped = sum(s for s, ok in zip(sizes, skippable) if ok)
     total = sum(sizes)
+    # One rank (N = 1) sends nothing, with or without skipping.
     return CommStats(k, sent, ring * full_bytes,
-                     sent / (ring * full_bytes) if full_bytes else 1.0,
+                     sent / (ring * full_bytes) if ring * full_bytes else 1.0,
                      k / n * skipped / total if total else 0.0, skipped, total)

@@ -36,7 +36,8 @@ Environment of each process (besides the launcher's own): the
 ``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed` (gloo on
 the loopback interface unless ``SKIPREDUCE_GLOO_INTERFACE`` is set),
 ``JAX_PLATFORMS=cpu`` unless ``JAX_PLATFORMS`` is set, 127.0.0.1 and
-localhost added to ``no_proxy``/``NO_PROXY``, and ``PYTHONUNBUFFERED=1``.
+localhost added to ``no_proxy``/``NO_PROXY`` when a proxy is set, and
+``PYTHONUNBUFFERED=1``.
 
 All processes run on this machine (the coordinator listens on 127.0.0.1).
 On a real cluster, start one process per host with the cluster's own tools
@@ -167,13 +168,18 @@ def _job_env(port: int, num_processes: int, devices_per_process: int,
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"
     # All processes meet on 127.0.0.1: gloo on loopback needs no resolvable
-    # host name, and no proxy may carry the coordinator's connections.
+    # host name, and no proxy may carry the coordinator's connections. (Only
+    # where a proxy is set: JAX warns of a possible hang in every process
+    # whenever any *_proxy variable exists, no_proxy included.)
     base_env.setdefault(ENV_GLOO_INTERFACE, _loopback_interface())
-    hosts: list[str] = []
-    for name in ("no_proxy", "NO_PROXY"):  # both spellings get the union
-        hosts += [h for h in base_env.get(name, "").split(",") if h and h not in hosts]
-    hosts += [h for h in ("127.0.0.1", "localhost") if h not in hosts]
-    base_env["no_proxy"] = base_env["NO_PROXY"] = ",".join(hosts)
+    if any(name.lower().endswith("_proxy") and name.lower() != "no_proxy"
+           and value for name, value in base_env.items()):
+        hosts: list[str] = []
+        for name in ("no_proxy", "NO_PROXY"):  # both spellings get the union
+            hosts += [h for h in base_env.get(name, "").split(",")
+                      if h and h not in hosts]
+        hosts += [h for h in ("127.0.0.1", "localhost") if h not in hosts]
+        base_env["no_proxy"] = base_env["NO_PROXY"] = ",".join(hosts)
     base_env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
     base_env[ENV_NUM_PROCESSES] = str(num_processes)
     base_env[ENV_LOCAL_DEVICES] = str(devices_per_process)

@@ -1,5 +1,7 @@
 """ring_psum, skip_psum, skip_pmean and contribution_mask under shard_map."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,6 +331,18 @@ def test_bad_normalize():
 def test_bad_key(key):
     with pytest.raises(TypeError, match=r"key=.* is not a PRNG key"):
         _trace(lambda v: sr.skip_psum(v, "i", key=key, num_skip=1))
+
+
+def test_bad_flags_and_keywords():
+    with pytest.raises(TypeError, match=r"skip_psum: rescale='yes' must be a bool"):
+        _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
+                                      num_skip=1, rescale="yes"))
+    with pytest.raises(TypeError, match=r"skip_pmean_and_left_out: .*'nomalize'"):
+        _trace(lambda v: sr.skip_pmean_and_left_out(
+            v, "i", key=jax.random.key(0), num_skip=1, nomalize="world"))
+    # It takes (and shows) skip_pmean's parameters.
+    params = inspect.signature(sr.skip_pmean_and_left_out).parameters
+    assert list(params) == list(inspect.signature(sr.skip_pmean).parameters)
 
 
 def test_raw_uint32_key_is_accepted():

@@ -175,3 +175,18 @@ def test_bad_axes():
     with pytest.raises(NameError, match="axis_name='dcn' is not a bound axis"):
         _run(lambda v: sr.skip_psum(v, "dcn", key=jax.random.key(0), num_skip=1,
                                     inner_axis="local"), 2, 4, x)
+
+
+def test_step_over_the_outer_axis_only_names_the_fix():
+    # Local gradients over "host" alone are summed over "local" by autodiff:
+    # the error says to pass both axes, not to use local_grad.
+    mesh = jax.make_mesh((2, 4), AXES)
+    tx = optax.chain(sr.skip_reduce("host", num_skip=1, inner_axis="local",
+                                    min_size=0), optax.sgd(0.05))
+    params = sr.replicate({"w": jnp.zeros((8, 2))}, mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh, "host")
+    batch = sr.shard_batch(np.ones((8, 8), np.float32), mesh, "host")
+    step = sr.make_train_step(lambda p, b: jnp.sum(b @ p["w"]), tx, mesh, "host")
+    with pytest.raises(ValueError, match=r"already summed over the inner axis "
+                       r"'local'.*pass axis_name=\('host', 'local'\)"):
+        step(params, opt_state, batch)

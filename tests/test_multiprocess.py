@@ -309,3 +309,11 @@ def test_multihost_train_example() -> None:
     assert re.search(r"^\[p0\] bytes per device per step: [\d,]+ \(full all-reduce [\d,]+;",
                      out, re.M), out
     assert not re.search(r"^\[p1\] .*(loss|accuracy|bytes)", out, re.M), out
+
+
+def test_multihost_train_example_needs_a_timed_step() -> None:
+    # One step is the compiling one: no step would be left to time.
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, _output(proc)
+    assert "--steps must be >= 2" in proc.stderr, _output(proc)

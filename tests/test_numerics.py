@@ -137,11 +137,14 @@ def test_skip_reduce_passes_accumulate_dtype(dtype):
     assert 0.2 < scale < 2.0, scale
 
 
-def test_float32_gradients_unaffected_by_accumulate_dtype():
-    """float32 leaves are already accumulated in float32: the same bits."""
+@pytest.mark.parametrize("acc", [jnp.float32, jnp.float16, jnp.bfloat16],
+                         ids=["f32", "f16", "bf16"])
+def test_float32_gradients_unaffected_by_accumulate_dtype(acc):
+    """float32 leaves are summed in float32 whatever accumulate_dtype asks:
+    a narrower one never rounds them (the same bits as without it)."""
     x = _gradients(np.float32)
     plain = _reduce(x, num_skip=3, accumulate_dtype=None)[0]
-    acc = _reduce(x, num_skip=3, accumulate_dtype=jnp.float32)[0]
+    acc = _reduce(x, num_skip=3, accumulate_dtype=acc)[0]
     for a, b in zip(jax.tree_util.tree_leaves(plain),
                     jax.tree_util.tree_leaves(acc)):
         np.testing.assert_array_equal(a, b)

@@ -51,3 +51,16 @@ def test_tiny_lm_trains_with_and_without_skipping(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["results"]["random"]["final_val_loss"] == skip["final_val_loss"]
     assert (tmp_path / "val_loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--heads", "3"], "--d-model 32 must be a multiple of --heads 3"),
+    (["--min-size", "-1"], "--min-size and --warmup must be >= 0"),
+    (["--variants", "random,random"], "names a variant twice"),
+    (["--steps", "1"], "--steps must be >= 2"),
+])
+def test_bad_arguments_are_usage_errors(change, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.parse_args(_ARGS + change)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

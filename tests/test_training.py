@@ -238,3 +238,30 @@ def test_error_feedback_keeps_no_residual_for_leaves_never_skipped():
                         optax.sgd(0.1))
     with pytest.raises(ValueError, match="other selective/min_size settings"):
         sr.make_train_step(loss, other, mesh)(params, state, batch)
+
+
+def test_an_optimizer_without_skip_reduce_is_refused():
+    # optax.adam alone would apply each rank's own gradient: the step says
+    # what is missing instead of failing on out_specs.
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.adam(1e-3)
+    params, state, batch = _regression_setup(tx, mesh)
+    with pytest.raises(ValueError, match=r"still varies over \['data'\].*"
+                       r"skip_reduce\('data', num_skip=0, min_size=0\)"):
+        sr.make_train_step(_mse, tx, mesh)(params, state, batch)
+
+
+def test_axis_names_must_be_mesh_axes():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=1, min_size=0),
+                     optax.sgd(0.1))
+    params, _, _ = _regression_setup(tx, mesh)
+    message = r"axis_name='batch' is not an axis of the mesh, whose axes are \('data',\)"
+    with pytest.raises(ValueError, match="make_train_step: " + message):
+        sr.make_train_step(_mse, tx, mesh, "batch")
+    with pytest.raises(ValueError, match="init_opt_state: " + message):
+        sr.init_opt_state(tx, params, mesh, "batch")
+    with pytest.raises(ValueError, match="shard_batch: " + message):
+        sr.shard_batch(np.zeros((N, 2)), mesh, "batch")
+    with pytest.raises(TypeError, match="donate='yes' must be a bool"):
+        sr.make_train_step(_mse, tx, mesh, donate="yes")

@@ -348,3 +348,29 @@ def test_an_empty_tree_passes_through_with_every_option():
         return g
 
     np.testing.assert_array_equal(per_rank(f, np.ones((N, 3), np.float32), n=N), 1.0)
+
+
+def test_comm_stats_checks_its_arguments():
+    grads = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    # One rank sends nothing either way.
+    one = sr.comm_stats(grads, 1, skip_ratio=0.5, min_size=0)
+    assert (one.num_skip, one.bytes_per_device, one.ratio) == (0, 0.0, 1.0)
+    for n in (0, 2.0, None):
+        with pytest.raises(ValueError, match=f"comm_stats: axis_size={n!r} must be"):
+            sr.comm_stats(grads, n, num_skip=0)
+    with pytest.raises(TypeError, match="comm_stats: .*'nm_skip'"):
+        sr.comm_stats(grads, 8, nm_skip=1)
+    # Without inner_size the hierarchical traffic would be counted on whole
+    # leaves instead of 1/L shards.
+    with pytest.raises(ValueError, match="pass inner_axis and inner_size together"):
+        sr.comm_stats(grads, 4, num_skip=1, inner_axis="local")
+    with pytest.raises(ValueError, match="pass inner_axis and inner_size together"):
+        sr.comm_stats(grads, 4, num_skip=1, inner_size=2)
+    with pytest.raises(ValueError, match="inner_size=0 must be"):
+        sr.comm_stats(grads, 4, num_skip=1, inner_axis="local", inner_size=0)
+    whole = sr.comm_stats(grads, 4, num_skip=1, min_size=0)
+    shard = sr.comm_stats(grads, 4, num_skip=1, min_size=0, inner_axis="local",
+                          inner_size=2)
+    assert shard.bytes_per_device == whole.bytes_per_device / 2
+    with pytest.raises(ValueError, match=r"pass them as comm_stats\(\.\.\., params=params\)"):
+        sr.comm_stats(grads, 4, num_skip=1, selective=lambda p: {"w": True})
