@@ -86,13 +86,14 @@ class BucketPlan:
         self,
         buffers: Sequence[jax.Array],
         *,
-        fill: Callable[[tuple[int, ...], np.dtype], jax.Array],
+        fill: Callable[[int], jax.Array],
     ) -> Any:
         """Splits buffers (one per bucket) back into the tree.
 
         Args:
           buffers: one 1-D array per bucket, ``padded_size`` long.
-          fill: makes the value of a leaf that was not packed (zero-size).
+          fill: ``fill(i)`` makes the value of leaf ``i``, which was not
+            packed (zero-size).
 
         Returns:
           The pytree, with the original shapes and the buffers' dtypes.
@@ -106,7 +107,7 @@ class BucketPlan:
                 start += size
         for i, leaf in enumerate(leaves):
             if leaf is None:
-                leaves[i] = fill(self.shapes[i], self.dtypes[i])
+                leaves[i] = fill(i)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 

@@ -98,7 +98,8 @@ def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
         raise TypeError(
             f"{api}: accumulate_dtype={accumulate_dtype!r} is not a "
             "floating-point dtype. Pass None or e.g. jnp.float32.")
-    return dtype
+    # What JAX computes in: float64 is float32 unless jax_enable_x64 is on.
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
@@ -109,7 +110,8 @@ def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
     ``accumulate_dtype`` are still summed in float32).
     """
     if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(jnp.promote_types(dtype, accumulate_dtype))
+        return np.dtype(jax.dtypes.canonicalize_dtype(
+            jnp.promote_types(dtype, accumulate_dtype)))
     return np.dtype(dtype)
 
 
@@ -153,6 +155,29 @@ def _check_floating(leaves, api: str):
                 "ring_psum or lax.psum.")
 
 
+def _check_not_sharded(leaves, api: str):
+    """Refuses leaves sharded over a mesh axis the compiler handles.
+
+    In a shard_map that leaves some mesh axes to the compiler
+    (``axis_names=``), a leaf may be sharded over one of them with
+    ``AxisType.Explicit``; the ring flattens each leaf, which JAX cannot do
+    to a sharded dimension.
+    """
+    for leaf in leaves:
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ())
+        axes = [a for entry in spec if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))]
+        if axes:
+            raise ValueError(
+                f"{api}: got a leaf of type {jax.typeof(leaf).str_short()} "
+                f"that is sharded over the mesh axes {axes}, which this "
+                "shard_map leaves to the compiler as Explicit axes. The ring "
+                "flattens each leaf, which JAX cannot do to a sharded "
+                f"dimension. Make {axes} manual too (leave out shard_map's "
+                "axis_names, with in_specs/out_specs over them), or give "
+                "them AxisType.Auto in jax.make_mesh.")
+
+
 # ----------------------------------------------------------------------------
 # The shared path.
 # ----------------------------------------------------------------------------
@@ -188,6 +213,7 @@ def _plan(
         raise TypeError(f"{api}: randomize={randomize!r} must be a bool (False: "
                         "static SkipReduce).")
     tree = jax.tree_util.tree_map(jnp.asarray, tree)
+    _check_not_sharded(jax.tree_util.tree_leaves(tree), api)
     num_skip = check_num_skip(num_skip, n, api=api)
     chunks_per_rank, bucket_bytes = check_sizes(chunks_per_rank, bucket_bytes,
                                                 api=api)
@@ -269,11 +295,20 @@ def _reduce(
         if inner_axis is not None:
             out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
-    zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
-    result = plan.unpack(outputs, fill=zeros)
+    # Zero-size leaves are not packed. Their results get the types the
+    # others get (the sum replicated over the reduced axes, what was left
+    # out as varying as the input), as lax.cond branches need.
+    reduced = {axis_name, inner_axis}
+
+    def summed_zeros(i):
+        leaf = leaves[i]
+        zeros = jnp.zeros(leaf.shape, leaf.dtype)
+        return _to_varying(zeros, tuple(sorted(varying_axes(leaf) - reduced)))
+
+    result = plan.unpack(outputs, fill=summed_zeros)
     if not dropped:
         return result
-    return result, plan.unpack(left_out, fill=zeros)
+    return result, plan.unpack(left_out, fill=lambda i: jnp.zeros_like(leaves[i]))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
@@ -566,10 +601,12 @@ def contribution_mask(
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Any:
-    """Which of this rank's values :func:`skip_psum` sums, with the same args.
+    """Which of this rank's values :func:`skip_psum` sums.
 
-    Asks the same bucket plan and schedules that :func:`skip_psum` uses, so
-    the two always agree. Error feedback keeps ``x * ~mask`` for the next step.
+    With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``,
+    ``inner_axis``, ``chunks_per_rank`` and ``bucket_bytes`` (the only
+    arguments that decide who is summed), it asks the same bucket plan and
+    schedules that :func:`skip_psum` uses, so the two always agree. Error feedback keeps ``x * ~mask`` for the next step.
 
     Args:
       x: the pytree that will be (or was) passed to :func:`skip_psum`.
@@ -597,5 +634,5 @@ def contribution_mask(
         shard_mask = schedule.element_mask(rank, bucket.padded_size // inner)
         # With an inner axis, each of the L shards follows the same schedule.
         masks.append(jnp.tile(shard_mask, inner) if inner > 1 else shard_mask)
-    return plan.unpack(masks, fill=lambda shape, _: jnp.ones(shape, jnp.bool_))
+    return plan.unpack(masks, fill=lambda i: jnp.ones(plan.shapes[i], jnp.bool_))
 

@@ -115,12 +115,8 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    arrays = []
-    for dtype, dims in _ARRAY.findall(shape_text):
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        if shape:  # skip the scalar context words of async ops
-            arrays.append((dtype, shape))
-    return arrays
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(shape_text)]
 
 
 def _group_size(line: str, kind: str, devices: int) -> int:
@@ -144,9 +140,13 @@ def _op(kind: str, line: str, result: str, asynchronous: bool, count: int,
     # except all-reduce-start, which returns its outputs as all-reduce does;
     # a combined op (several pmeans merged) returns a tuple of outputs, all
     # of which move.
-    arrays = _arrays(result) or [("", ())]
+    arrays = _arrays(result)
     if asynchronous and kind != "all-reduce":
+        # Trailing scalar context words (u32[]/s32[]) of some async ops.
+        while arrays and not arrays[-1][1] and arrays[-1][0] in ("u32", "s32"):
+            arrays.pop()
         arrays = arrays[len(arrays) // 2:]
+    arrays = arrays or [("", ())]
     group = _group_size(line, kind, devices)
     nbytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
                  for dtype, shape in arrays)

@@ -243,7 +243,13 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     """
     axes = _mesh_axes(mesh, axis_name, api="init_opt_state")
     specs = state_specs(jax.eval_shape(tx.init, params), axes)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
+
+    def local_init(params):
+        state = tx.init(params)
+        _check_per_rank_axes(state, axes)
+        return state
+
+    init = jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs,
                          check_vma=True)
     opt_state = jax.jit(init)(params)
     check_settings_agree(opt_state, mesh)
@@ -392,6 +398,25 @@ def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
                 "pieces along its leading dimension.")
         return x.reshape((microbatches, -1) + x.shape[1:])
     return split
+
+
+def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...]) -> None:
+    """Refuses per-rank state that varies over more axes than ``axes``."""
+    nodes = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
+    for node in nodes:
+        for name in _per_rank_fields(node):
+            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
+                extra = sorted(coll.varying_axes(leaf) - set(axes))
+                if extra:
+                    raise ValueError(
+                        f"init_opt_state: the per-rank field {name!r} varies "
+                        f"over {sorted(coll.varying_axes(leaf))}, but "
+                        f"axis_name={axes if len(axes) > 1 else axes[0]!r} "
+                        f"leaves out {extra}. With hierarchical SkipReduce "
+                        "pass axis_name=(outer, inner), e.g. "
+                        f"{tuple(axes) + tuple(extra)}, here and to "
+                        "make_train_step, shard_batch and state_specs.")
 
 
 def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,

@@ -223,11 +223,14 @@ def skip_reduce(
         against the axis size at trace time).
       skip_ratio: fraction of the N - 1 reduce-scatter steps to skip, in
         [0, 1]; resolved at trace time to ``k = floor(skip_ratio * (N - 1) +
-        0.5)`` (round half up): 0.5 on 8 ranks gives k = 4.
-      seed: the key of step t is ``fold_in(key(seed), t)``: the same on every
-        rank and process. Use the same seed everywhere; give two
-        ``skip_reduce`` in one optimizer (e.g. in ``optax.multi_transform``)
-        different seeds, or their drops are correlated.
+        0.5)`` (round half up): 0.5 on 8 ranks gives k = 4. The ratio is
+        first read as the nearest fraction with a denominator up to 10**6,
+        so decimal ratios round as written (0.7 of 45 steps gives 32).
+      seed: an int in [0, 2**32); the key of step t is
+        ``fold_in(key(seed), t)``: the same on every rank and process. Use
+        the same seed everywhere; give two ``skip_reduce`` in one optimizer
+        (e.g. in ``optax.multi_transform``) different seeds, or their drops
+        are correlated.
       randomize: False is static SkipReduce (biased; for comparison).
       normalize: ``"contributors"`` (divide by the N - k ranks summed; the
         default) or ``"world"`` (divide by N, as the authors' NCCL code).
@@ -334,6 +337,10 @@ def _make_config(
             "divides by N.")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"{_API}: seed={seed!r} must be an int.")
+    if not 0 <= seed < 2**32:
+        # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5
+        # would silently be the key of 5.
+        raise ValueError(f"{_API}: seed={seed!r} must be in [0, 2**32).")
     for name, value in (("min_size", min_size), ("warmup_steps", warmup_steps)):
         if isinstance(value, bool) or not isinstance(
                 value, (int, np.integer)) or value < 0:

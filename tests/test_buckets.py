@@ -47,7 +47,8 @@ def test_pack_unpack_round_trip_keeps_every_leaf_in_place():
             assert b.padded_size % (4 * b.chunks_per_rank) == 0
             # The padding is zero.
             assert not np.any(np.asarray(buf[b.size:]))
-        back = plan.unpack(buffers, fill=lambda s, d: jnp.zeros(s, d))
+        back = plan.unpack(buffers, fill=lambda i: jnp.zeros(plan.shapes[i],
+                                                             plan.dtypes[i]))
         jax.tree_util.tree_map(np.testing.assert_array_equal, back, tree)
 
 

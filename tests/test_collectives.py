@@ -345,6 +345,21 @@ def test_bad_flags_and_keywords():
     assert list(params) == list(inspect.signature(sr.skip_pmean).parameters)
 
 
+def test_leaf_sharded_over_an_explicit_compiler_axis_is_refused():
+    # shard_map manual over "data" only; "model" is Explicit (make_mesh's
+    # default) and the leaf is sharded over it: the ring cannot flatten it.
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("data", "model")))
+    f = jax.shard_map(lambda v: sr.skip_psum(v, "data", key=jax.random.key(0),
+                                             num_skip=1),
+                      mesh=mesh, in_specs=P("data"), out_specs=P(),
+                      axis_names={"data"})
+    with pytest.raises(ValueError, match=r"skip_psum: got a leaf of type "
+                       r"float32\[2,6@model\].*sharded over the mesh axes "
+                       r"\['model'\].*Make \['model'\] manual too"):
+        jax.jit(f)(x)
+
+
 def test_raw_uint32_key_is_accepted():
     raw = jax.random.PRNGKey(0)
     out = _trace(lambda v: sr.skip_psum(v, "i", key=raw, num_skip=1))

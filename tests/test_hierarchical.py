@@ -190,3 +190,12 @@ def test_step_over_the_outer_axis_only_names_the_fix():
     with pytest.raises(ValueError, match=r"already summed over the inner axis "
                        r"'local'.*pass axis_name=\('host', 'local'\)"):
         step(params, opt_state, batch)
+    # With error feedback the residuals vary over both axes: init_opt_state
+    # is where the mistake shows first.
+    tx = optax.chain(sr.skip_reduce("host", num_skip=1, inner_axis="local",
+                                    min_size=0, error_feedback=True),
+                     optax.sgd(0.05))
+    with pytest.raises(ValueError, match=r"init_opt_state: the per-rank field "
+                       r"'residual' varies over \['host', 'local'\].*"
+                       r"\('host', 'local'\)"):
+        sr.init_opt_state(tx, params, mesh, "host")

@@ -112,3 +112,20 @@ def test_async_combined_all_reduce_and_empty_groups():
     assert sr.collective_traffic(_ASYNC_PROGRAM).bytes_per_device() == two_outputs
     everyone = _ASYNC_PROGRAM.replace("replica_groups={{0,1,2,3}}", "replica_groups={}")
     assert sr.collective_traffic(everyone).bytes_per_device() == two_outputs
+
+
+def test_scalar_operands_count_and_async_context_words_do_not():
+    n = 4
+    text = _compiled_text(lambda v: (lax.psum(v[:1].sum(), "i")[None],
+                                     lax.psum(v[:37], "i")),
+                          n, 100)
+    assert sr.collective_traffic(text).bytes_per_device("all-reduce") == (
+        pytest.approx(2 * (n - 1) / n * (1 + 37) * 4))
+    # An async collective-permute returns (input, output, context words).
+    start = ("  %cps = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) "
+             "collective-permute-start(%p0), "
+             "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}\n"
+             "  ROOT %cpd = f32[1024]{0} collective-permute-done(%cps)\n")
+    program = _ASYNC_PROGRAM.split("  %ars")[0] + start + "}\n"
+    program = program.replace("-> (f32[1024], f32[1024])", "-> f32[1024]")
+    assert sr.collective_traffic(program).bytes_per_device() == 4096

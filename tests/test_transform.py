@@ -147,6 +147,29 @@ def test_warmup_switches_without_recompiling():
     assert exact == [True, True, True, False, False, False]
 
 
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_warmup_with_a_zero_size_leaf_on_a_data_model_mesh(error_feedback):
+    # Both lax.cond branches must type the unpacked zero-size leaf (and its
+    # residual) alike, also where the gradients vary over another axis.
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = sr.skip_reduce("data", num_skip=1, min_size=0, warmup_steps=1,
+                        error_feedback=error_feedback)
+    params = {"w": jnp.zeros((16,)), "z": jnp.zeros((0,))}
+    spec = P(("data", "model"))
+
+    def f(g):
+        g = jax.tree_util.tree_map(lambda a: a[0], g)
+        state = tx.init(params)
+        for _ in range(2):  # a full all-reduce, then a skipped one
+            out, state = tx.update(g, state, params)
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    g = {"w": jnp.arange(8 * 16.0).reshape(8, 16), "z": jnp.zeros((8, 0))}
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(
+        jax.device_put(g, NamedSharding(mesh, spec)))
+    assert out["z"].shape == (8, 0) and out["w"].shape == (8, 16)
+
+
 def test_error_feedback_bookkeeping_is_exact():
     # Integer-valued gradients, N = 8: every sum and division by N is exact.
     rng = np.random.default_rng(3)
@@ -204,6 +227,8 @@ def test_double_reduction_is_refused():
     (dict(num_skip=1, error_feedback=True, normalize="contributors"),
      "error_feedback=True needs normalize='world'"),
     (dict(num_skip=1, warmup_steps=-1), "warmup_steps=-1 must be a non-negative"),
+    (dict(num_skip=1, seed=2**32 + 5), r"seed=4294967301 must be in \[0, 2\*\*32\)"),
+    (dict(num_skip=1, seed=-1), r"seed=-1 must be in"),
     (dict(num_skip=1, min_size=1.5), "min_size=1.5 must be a non-negative"),
     (dict(num_skip=1, inner_axis="i"), "inner_axis='i' is also axis_name"),
     (dict(num_skip=1, chunks_per_rank=0), "chunks_per_rank=0 must be a"),
@@ -374,3 +399,7 @@ def test_comm_stats_checks_its_arguments():
     assert shard.bytes_per_device == whole.bytes_per_device / 2
     with pytest.raises(ValueError, match=r"pass them as comm_stats\(\.\.\., params=params\)"):
         sr.comm_stats(grads, 4, num_skip=1, selective=lambda p: {"w": True})
+    # Without jax_enable_x64, float64 is float32: what the program sends.
+    assert not jax.config.jax_enable_x64
+    assert sr.comm_stats(grads, 4, num_skip=1, min_size=0,
+                         accumulate_dtype=jnp.float64) == whole
