@@ -207,6 +207,15 @@ class _TopKConfig:
         return min(size, max(1, math.ceil(self.density * size)))
 
 
+def _index_dtype(index_dtype: Any) -> np.dtype:
+    """What the indices travel in: int64 is int32 without jax_enable_x64."""
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(index_dtype))
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{_TOPK}: index_dtype={index_dtype!r} must be an "
+                        "integer dtype.")
+    return dtype
+
+
 def topk_reduce(
     axis_name: str,
     *,
@@ -256,7 +265,7 @@ def topk_reduce(
     config = _TopKConfig(
         axis_name, _check_fraction(density, "density", _TOPK), bool(per_leaf),
         bool(error_feedback), _check_count(min_size, "min_size", _TOPK),
-        np.dtype(index_dtype))
+        _index_dtype(index_dtype))
 
     def init_fn(params):
         memory = optax.EmptyState()
@@ -355,7 +364,7 @@ def topk_comm_bytes(params: Any, n: int, **topk_kwargs: Any) -> float:
         "data", _check_fraction(a["density"], "density", _TOPK),
         bool(a["per_leaf"]), bool(a["error_feedback"]),
         _check_count(a["min_size"], "min_size", _TOPK),
-        np.dtype(a["index_dtype"]))
+        _index_dtype(a["index_dtype"]))
     leaves = jax.tree_util.tree_leaves(params)
     groups, dense = config.groups(leaves)
     sent = 0.0

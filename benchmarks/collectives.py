@@ -744,8 +744,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if leader:
             print(message, flush=True)
 
+    if h.n < 2:
+        raise SystemExit(f"N = {h.n}: a ring needs at least 2 devices (--devices, or "
+                         "more processes)")
     if args.sizes is None:
         args.sizes = parse_sizes(DEFAULT_SIZES if multiprocess else DEFAULT_SIZES_IN_PROCESS)
+    if min(args.sizes) < h.n:
+        raise SystemExit(f"--sizes: every size must be at least N = {h.n} elements per "
+                         "rank (one per ring chunk)")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     variants = make_variants(h.n, args.ks, modes, args.breakdown)
     setup = (f"{h.processes} process(es) x {jax.local_device_count()} device(s)"

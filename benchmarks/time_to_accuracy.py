@@ -721,12 +721,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.variants = [v for v in ALL_VARIANTS if v in names]
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
-    for name in ("shift", "parts"):
+    for name in ("shift", "parts", "powersgd_warmup"):
         if getattr(args, name) < 0:
-            p.error(f"--{name} must be >= 0")
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("max_steps", "hidden", "layers", "batch_per_rank", "rank",
+                 "smooth", "devices"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("time_budget", "eval_every", "lr"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 <= args.skip_ratio <= 1:
+        p.error("--skip-ratio must be in [0, 1]")
+    if not 0 < args.density <= 1:
+        p.error("--density must be in (0, 1]")
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        p.error("--bucket-bytes must be >= 1")
     return args
 
 
@@ -746,18 +756,25 @@ def write_json(args: argparse.Namespace, trainer: Trainer,
     return path
 
 
-def resummarize(path: pathlib.Path) -> str:
+def resummarize(path: pathlib.Path, args: argparse.Namespace) -> str:
     """The targets line and table of an earlier run, recomputed from its
-    histories with its own ``tolerance`` and ``smooth`` settings."""
+    histories with its own ``tolerance`` and ``smooth`` settings (those of
+    ``args`` where an older JSON does not record them)."""
     with open(path) as f:
         saved = json.load(f)
     config, results = saved["config"], saved["results"]
-    target = summarize(results, config["tolerance"], config["smooth"])
+    settings = {name: config.get(name, getattr(args, name))
+                for name in ("tolerance", "smooth")}
+    assumed = sorted(set(settings) - set(config))
+    target = summarize(results, settings["tolerance"], settings["smooth"])
     head = f"{path.name}: "
+    if assumed:
+        head += (f"(the JSON records no {' or '.join(assumed)}; taken from "
+                 "the command line) ")
     if target is not None:
         head += (f"accuracy target {target:.3f}, loss target "
                  f"{results['all-reduce']['final_loss_smoothed']:.4f} "
-                 f"(window {config['smooth']})")
+                 f"(window {settings['smooth']})")
     return head + "\n" + results_table(results)
 
 
@@ -765,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
     if args.resummarize is not None:
-        print(resummarize(args.resummarize))
+        print(resummarize(args.resummarize, args))
         return 0
     start_runtime(args.devices)
     lead = jax.process_index() == 0

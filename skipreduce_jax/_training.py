@@ -137,7 +137,7 @@ def local_grad(
     return wrapped
 
 
-def state_specs(opt_state: Any, axis_name: AxisNames) -> Any:
+def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
     Everything is replicated (``P()``) except per-rank fields: stored outside

@@ -554,7 +554,9 @@ def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
         raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
     # Exact arithmetic on the ratio meant (0.7 is 7/10 and 1/6 is 1/6, not
     # the floats next to them), so that 0.7 of 45 steps, 31.5, rounds up.
-    exact = fractions.Fraction(float(r)).limit_denominator(10**6)
+    # Denominators up to n - 1 keep k / (n - 1) exact for any n up to ~1e8
+    # (fractions that close differ by far more than a float's error).
+    exact = fractions.Fraction(float(r)).limit_denominator(max(10**6, n - 1))
     k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
     return min(max(k, 0), n - 1)
 
@@ -1495,8 +1497,10 @@ def _link_from_args(args: argparse.Namespace) -> LinkModel:
 
 def _inner_link_from_args(args: argparse.Namespace) -> LinkModel | None:
     if args.inner is None:
-        if args.inner_gbit is not None or args.inner_gbyte is not None:
-            raise ValueError("--inner-gbit/--inner-gbyte need --inner")
+        if (args.inner_gbit is not None or args.inner_gbyte is not None
+                or args.inner_alpha or args.inner_overhead):
+            raise ValueError("--inner-gbit/--inner-gbyte/--inner-alpha/"
+                             "--inner-overhead need --inner")
         return None
     if args.inner < 1:
         raise ValueError(f"--inner must be >= 1, got {args.inner}")

@@ -216,12 +216,15 @@ def test_comm_bytes_match_the_compiled_program():
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
               for k, s in shapes.items()}
     for per_leaf, gathered in ((True, 200 + 3), (False, 203)):
-        kw = dict(density=0.01, per_leaf=per_leaf, min_size=100)
-        text = _compiled_traffic(bl.topk_reduce("i", **kw), shapes)
-        traffic = sr.collective_traffic(text)
-        assert traffic.bytes_per_device() == pytest.approx(
-            bl.topk_comm_bytes(params, N, **kw))
-        assert traffic.bytes_per_device("all-gather") == (N - 1) * gathered * 8
+        # int64 indices travel as int32 without jax_enable_x64.
+        for index_dtype in (jnp.int32, jnp.int64):
+            kw = dict(density=0.01, per_leaf=per_leaf, min_size=100,
+                      index_dtype=index_dtype)
+            text = _compiled_traffic(bl.topk_reduce("i", **kw), shapes)
+            traffic = sr.collective_traffic(text)
+            assert traffic.bytes_per_device() == pytest.approx(
+                bl.topk_comm_bytes(params, N, **kw))
+            assert traffic.bytes_per_device("all-gather") == (N - 1) * gathered * 8
 
     kw = dict(rank=4, warmup_steps=0)
     text = _compiled_traffic(bl.powersgd_reduce("i", **kw), shapes)

@@ -94,3 +94,17 @@ def test_randomization_summary_compares_random_with_static_at_each_k():
     assert cb.randomization_summary(rows) == (
         "random - static: k=1 +10.0 ms (+2.5%), k=2 -3.0 ms (-1.0%)")
     assert cb.randomization_summary(rows[:4]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "1", "--sizes", "1K"], "a ring needs at least 2 devices"),
+    (["--devices", "4", "--sizes", "2", "--breakdown"],
+     "every size must be at least N = 4 elements per rank"),
+])
+def test_refuses_what_it_cannot_run(argv, message):
+    import subprocess
+    script = pathlib.Path(cb.__file__)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(script), "--rounds", "1", "--no-plot",
+                           *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

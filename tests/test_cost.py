@@ -136,6 +136,11 @@ def test_skip_ratio_round_trip() -> None:
     for n in range(2, 130):
         for k in range(n):
             assert skip_ratio_to_num_skip(k / (n - 1), n) == k
+    # Also past a million ranks, where fractions of denominator 1e6 are too
+    # coarse to tell k / (n - 1) apart.
+    for n in (3_000_001, 40_000_001):
+        for k in (1, 2, 3, n // 2, n - 2):
+            assert skip_ratio_to_num_skip(k / (n - 1), n) == k
 
 
 def test_hierarchical_bytes_hand_computed() -> None:
@@ -561,6 +566,10 @@ def test_cli_fit_kind_filter(capsys: pytest.CaptureFixture[str], tmp_path: Path)
         (["predict", "--n", "8", "--size", "1MB", "--gbit", "0"], "gbit_per_s"),
         (["predict", "--n", "8", "--size", "1XB", "--gbit", "1"], "size"),
         (["predict", "--n", "8", "--size", "1MB", "--gbit", "1", "--inner", "4"], "--inner"),
+        (["predict", "--n", "8", "--size", "1MB", "--gbit", "1", "--inner-overhead", "1s"],
+         "--inner-overhead need --inner"),
+        (["predict", "--n", "8", "--size", "1MB", "--gbit", "1", "--inner-alpha", "1ms"],
+         "--inner-overhead need --inner"),
         (["target", "--n", "8", "--size", "1MB", "--gbit", "1"], "--time"),
         (["fit"], "FILE"),
     ],

@@ -94,6 +94,37 @@ def test_optimizer_choice_and_default_learning_rates():
             tta.parse_args(bad)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (["--smooth", "0"], "--smooth must be >= 1"),
+    (["--rank", "0"], "--rank must be >= 1"),
+    (["--skip-ratio", "7"], "--skip-ratio must be in [0, 1]"),
+    (["--density", "5"], "--density must be in (0, 1]"),
+    (["--powersgd-warmup", "-1"], "--powersgd-warmup must be >= 0"),
+])
+def test_bad_arguments_fail_before_any_training(bad, message, capsys):
+    # Otherwise they fail (or give NaN targets) only after the all-reduce
+    # has trained for its whole time budget.
+    with pytest.raises(SystemExit):
+        tta.parse_args(bad)
+    assert message in capsys.readouterr().err
+
+
+def test_resummarize_reads_a_json_without_newer_settings(tmp_path, capsys):
+    history = {"time": [1.0, 2.0, 3.0], "step": [10, 20, 30],
+               "acc": [0.5, 0.6, 0.7], "loss": [1.0, 0.8, 0.6]}
+    results = {name: {"name": name, "history": history, "steps": 30,
+                      "step_ms": 100.0, "final_acc": 0.7, "best_acc": 0.7,
+                      "final_loss": 0.6, "formula_bytes": 8.0, "hlo_bytes": 8.0}
+               for name in ("all-reduce", "random")}
+    path = tmp_path / "old.json"
+    path.write_text(__import__("json").dumps(
+        {"config": {"tolerance": 0.0}, "results": results}))
+    assert tta.main(["--resummarize", str(path), "--smooth", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "records no smooth; taken from the command line" in out
+    assert "window 2" in out
+
+
 def test_shifted_moves_each_pixel_by_each_offset():
     image = np.zeros((1, 64), np.float32)
     image[0, 3 * 8 + 4] = 1.0                     # pixel (3, 4)
