@@ -1,9 +1,9 @@
 """Replica-consistency checks: cheap collectives that catch divergence.
 
 ``check_replicated(tree, axis_name)`` (inside ``shard_map``) reduces every
-leaf to two 32-bit checksums of its bit pattern and compares them across the
-axis with one ``pmin`` and one ``pmax`` of a vector of ``2 * num_leaves``
-words. Its cost is one read of the tree plus two tiny all-reduces (latency
+leaf to two 32-bit checksums of its bit pattern (sums of a keyed hash of
+each word and its position) and compares them across the axis with one
+``pmin`` and one ``pmax`` of a vector of ``2 * num_leaves`` words. Its cost is one read of the tree plus two tiny all-reduces (latency
 only), so running it every few hundred steps is cheap.
 ``assert_replicated(tree, mesh)`` wraps it for use outside ``shard_map``.
 """
@@ -20,19 +20,45 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _collectives as coll
 
 
-def _checksums(leaf: jax.Array) -> jax.Array:
-    """uint32[2]: the sum and the position-weighted sum of the leaf's bits."""
+# Two seeds: two independent 32-bit checksums per leaf.
+_SEEDS = (0x2545F491, 0x9E3779B9)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection that spreads every bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(leaf: jax.Array) -> jax.Array:
+    """The leaf's bits as a flat uint32 vector (all of them, 64-bit too)."""
     flat = jnp.ravel(leaf)
     if flat.dtype == jnp.bool_:
         flat = flat.astype(jnp.uint8)
     if jnp.issubdtype(flat.dtype, jax.dtypes.prng_key):
         flat = jnp.ravel(jax.random.key_data(flat))
+    if flat.dtype.itemsize >= 4:  # 8-byte values become two words each
+        return jnp.ravel(lax.bitcast_convert_type(flat, jnp.uint32))
     bits = jnp.dtype(f"uint{8 * flat.dtype.itemsize}")
-    words = lax.bitcast_convert_type(flat, bits).astype(jnp.uint32)
-    weights = jnp.arange(1, words.size + 1, dtype=jnp.uint32) * jnp.uint32(
-        2654435761)  # odd: the weighted sum also changes when words move
-    return jnp.stack([jnp.sum(words, dtype=jnp.uint32),
-                      jnp.sum(words * weights, dtype=jnp.uint32)])
+    return lax.bitcast_convert_type(flat, bits).astype(jnp.uint32)
+
+
+def _checksums(leaf: jax.Array) -> jax.Array:
+    """uint32[2]: two sums of a keyed hash of each word and its position.
+
+    Each term is a bijection of its word, so copies that differ in one word
+    always differ in both sums; the hash is not linear, so differences in
+    several words (a negated leaf, zeros against ones, ulps that cancel) do
+    not cancel either, except by chance (about 2**-64).
+    """
+    words = _words(leaf)
+    position = jnp.arange(words.size, dtype=jnp.uint32)
+    return jnp.stack([
+        jnp.sum(_mix(words ^ _mix(position + jnp.uint32(seed))),
+                dtype=jnp.uint32) for seed in _SEEDS])
 
 
 def leaf_agreement(tree: Any, axis_name: str | tuple[str, ...]) -> Any:

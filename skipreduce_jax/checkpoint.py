@@ -73,6 +73,28 @@ def _skip_states(opt_state: Any) -> list[tuple[str, SkipReduceState]]:
     return found
 
 
+def _without_empty(tree: Any) -> Any:
+    """``tree`` with zero-size leaves replaced by None (orbax refuses them;
+    e.g. the ``[N, 0]`` residual of a leaf that is never skipped)."""
+    return jax.tree_util.tree_map(
+        lambda x: None if np.size(x) == 0 else x, tree)
+
+
+def _with_empty(restored: Any, like: Any) -> Any:
+    """Puts back the zero-size leaves of ``like`` that ``_without_empty``
+    left out, with their shape, dtype and sharding."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    kept = iter(jax.tree_util.tree_leaves(restored))
+
+    def empty(x):
+        value = np.zeros(np.shape(x), x.dtype)
+        return jax.make_array_from_callback(value.shape, x.sharding,
+                                            lambda index: value[index])
+
+    return jax.tree_util.tree_unflatten(
+        treedef, [empty(x) if np.size(x) == 0 else next(kept) for x in leaves])
+
+
 def _rows(state: SkipReduceState) -> int | None:
     """The ranks the error-feedback residuals hold rows for (None: no EF)."""
     leaves = jax.tree_util.tree_leaves(state.residual)
@@ -88,10 +110,15 @@ def _value(leaf: Any) -> int | None:
     return int(np.asarray(leaf))
 
 
+def _residual_shapes(state: SkipReduceState) -> list[list[int]]:
+    return [list(np.shape(x)) for x in jax.tree_util.tree_leaves(state.residual)]
+
+
 def _settings(opt_state: Any) -> dict[str, Any]:
     return {"skip_reduce": [
         {"path": path, "fingerprint": _value(state.fingerprint),
-         "residual_rows": _rows(state)}
+         "residual_rows": _rows(state),
+         "residual_shapes": _residual_shapes(state)}
         for path, state in _skip_states(opt_state)]}
 
 
@@ -128,8 +155,8 @@ def save(
     with _manager(directory, create=True, max_to_keep=max_to_keep) as manager:
         latest = manager.latest_step()
         saved = manager.save(step, args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardSave(params),
-            _OPT_STATE: ocp.args.StandardSave(opt_state),
+            _PARAMS: ocp.args.StandardSave(_without_empty(params)),
+            _OPT_STATE: ocp.args.StandardSave(_without_empty(opt_state)),
             _SETTINGS: ocp.args.JsonSave(_settings(opt_state)),
         }))
         manager.wait_until_finished()
@@ -141,11 +168,15 @@ def save(
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
-    """The newest complete checkpoint step in ``directory``, or None."""
+    """The newest complete checkpoint step in ``directory``, or None.
+
+    It only lists the directory (no synchronization between processes), so
+    any process may call it alone, e.g. process 0 to log the step.
+    """
     if not os.path.isdir(os.fspath(directory)):
         return None
-    with _manager(directory, create=False) as manager:
-        return manager.latest_step()
+    steps = ocp.utils.checkpoint_steps(os.fspath(directory))
+    return max(steps) if steps else None
 
 
 def _abstract(tree: Any, name: str) -> Any:
@@ -194,6 +225,15 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"for {rows}. Residuals are per rank: resume on the same "
                 "number of data-parallel ranks, with opt_state_like built by "
                 "skipreduce_jax.init_opt_state (tx.init alone makes one row).")
+        shapes = _residual_shapes(state)
+        if entry.get("residual_shapes", shapes) != shapes:
+            raise ValueError(
+                f"restore: the error-feedback residuals of checkpoint step "
+                f"{step} at {where} have shapes {entry['residual_shapes']}, "
+                f"those of opt_state_like {shapes}: the leaves skipped differ "
+                "(selective or min_size changed, or other params). Build "
+                "skip_reduce with the selective and min_size of the run that "
+                "saved it.")
 
 
 def restore(
@@ -251,7 +291,8 @@ def restore(
             _SETTINGS: ocp.args.JsonRestore()}))[_SETTINGS]
         _check_settings(saved, opt_state_like, step)
         restored = manager.restore(step, args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardRestore(params_target),
-            _OPT_STATE: ocp.args.StandardRestore(opt_target),
+            _PARAMS: ocp.args.StandardRestore(_without_empty(params_target)),
+            _OPT_STATE: ocp.args.StandardRestore(_without_empty(opt_target)),
         }))
-    return step, restored[_PARAMS], restored[_OPT_STATE]
+    return (step, _with_empty(restored[_PARAMS], params_target),
+            _with_empty(restored[_OPT_STATE], opt_target))

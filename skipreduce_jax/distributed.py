@@ -89,12 +89,16 @@ _LAUNCHER_VARS: Final = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV
 #: * ``heartbeat_timeout_seconds=20``: a process that stops sending heartbeats
 #:   (crashed, killed, hung in C++) is declared dead after 20 s, and the
 #:   coordination service then fails the others.
-#: * ``shutdown_timeout_seconds=30``: at exit, a process waits at most 30 s
-#:   for the others to reach the shutdown barrier.
+#: * ``shutdown_timeout_seconds=300`` (JAX's default): at exit, a process
+#:   waits for the others at the shutdown barrier, and the coordination
+#:   service aborts every process still running when it runs out; processes
+#:   of a clean job may thus finish up to 5 minutes apart (e.g. process 0
+#:   writing a report). A failing process does not wait there: it ends at
+#:   once (below) and the launcher ends the others.
 LAUNCHER_DEFAULTS: Final[Mapping[str, int]] = {
     "initialization_timeout": 120,
     "heartbeat_timeout_seconds": 20,
-    "shutdown_timeout_seconds": 30,
+    "shutdown_timeout_seconds": 300,
 }
 
 _LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})

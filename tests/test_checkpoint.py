@@ -24,11 +24,13 @@ RESUME_SCRIPT = REPO / "tests" / "mp_scripts" / "checkpoint_resume.py"
 RESUME_SCRIPT_T = 3  # T of checkpoint_resume.py: it saves steps T and 2T
 
 
-def _make_tx(num_skip: int = 5, error_feedback: bool = True) -> Any:
+def _make_tx(num_skip: int = 5, error_feedback: bool = True,
+             min_size: int = 0, selective: Any = None) -> Any:
     # Random SkipReduce with error feedback (the residuals carry state) and a
     # warmup that ends before the checkpoint: steps 2..2T-1 skip.
     return optax.chain(
-        sr.skip_reduce("data", num_skip=num_skip, seed=7, min_size=0,
+        sr.skip_reduce("data", num_skip=num_skip, seed=7, min_size=min_size,
+                       selective=selective,
                        warmup_steps=2, error_feedback=error_feedback,
                        chunks_per_rank=4),
         optax.adam(0.05))
@@ -109,6 +111,23 @@ def test_resume_is_bit_identical_with_error_feedback_and_warmup(mesh, uninterrup
     assert step_fn._cache_size() == 1  # restored placement matches the step's
 
 
+def test_resume_with_a_leaf_that_is_never_skipped(mesh, tmp_path):
+    # min_size=100: "b" (64 elements) always gets the full all-reduce and
+    # keeps an empty [N, 0] residual, an array orbax does not store.
+    _, params, opt_state, step_fn = _fresh(mesh, min_size=100)
+    assert opt_state[0].residual["b"].shape == (N, 0)
+    params, opt_state = _run(step_fn, params, opt_state, mesh, 0, T)
+    checkpoint.save(tmp_path, T, params, opt_state)
+    final = _host(_run(step_fn, params, opt_state, mesh, T, 2 * T))
+    _, params, opt_state, step_fn = _fresh(mesh, seed=123, min_size=100)
+    step, params, opt_state = checkpoint.restore(
+        tmp_path, params_like=params, opt_state_like=opt_state)
+    assert step == T and opt_state[0].residual["b"].shape == (N, 0)
+    _assert_trees_equal(_host(_run(step_fn, params, opt_state, mesh, T, 2 * T)),
+                        final)
+    assert step_fn._cache_size() == 1
+
+
 def test_restored_state_and_placement(mesh, uninterrupted):
     directory, saved_state, _, _ = uninterrupted
     _, params_like, state_like, _ = _fresh(mesh)
@@ -173,6 +192,16 @@ def test_restore_refuses_other_settings(mesh, uninterrupted, tx_kwargs):
                        r"step 4 \(fingerprint 0x[0-9a-f]{8} at opt_state\[0\]\) "
                        r"differ"):
         checkpoint.restore(directory, params_like=params, opt_state_like=opt_state)
+
+
+def test_restore_refuses_residuals_of_other_leaves(mesh, uninterrupted):
+    # selective is not in the fingerprint (it may be a callable); excluding
+    # "b" now gives it an empty residual where the checkpoint has a full one.
+    _, params, opt_state, _ = _fresh(mesh, selective=sr.exclude("b"))
+    with pytest.raises(ValueError, match=r"residuals of checkpoint step 4 at "
+                       r"opt_state\[0\] have shapes .*selective or min_size"):
+        checkpoint.restore(uninterrupted[0], params_like=params,
+                           opt_state_like=opt_state)
 
 
 def test_restore_refuses_another_number_of_ranks(uninterrupted):

@@ -44,6 +44,46 @@ def test_check_replicated_in_shard_map_sees_one_flipped_bit():
     assert not flipped.any() and untouched.all()
 
 
+def _copies(good, bad, mesh, bad_device: int = 5):
+    copies = [jax.device_put(bad if i == bad_device else good, d)
+              for i, d in enumerate(mesh.devices.flat)]
+    return jax.make_array_from_single_device_arrays(
+        good.shape, NamedSharding(mesh, P()), copies)
+
+
+def _ulps(x, deltas):
+    bits = x.view(np.uint32).copy()
+    bits[2:2 + len(deltas)] += np.array(deltas, np.int64).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+@pytest.mark.parametrize("good, bad", [
+    # Differences that cancel in plain (or position-weighted) sums of words.
+    (np.zeros(1024, np.float32), np.ones(1024, np.float32)),
+    (np.ones(4096, np.float32), np.full(4096, 0.5, np.float32)),
+    (np.arange(1.0, 9.0, dtype=np.float32), -np.arange(1.0, 9.0, dtype=np.float32)),
+    (np.arange(1.0, 9.0, dtype=np.float32),
+     np.arange(1.0, 9.0, dtype=np.float32) * np.array([-1, 1, -1, 1, 1, 1, 1, 1],
+                                                     np.float32)),
+    (np.arange(1.0, 9.0, dtype=np.float32),
+     _ulps(np.arange(1.0, 9.0, dtype=np.float32), [1, -2, 1])),
+], ids=["zeros-ones", "ones-halves", "negated", "two-signs", "ulps-cancel"])
+def test_assert_replicated_catches_differences_in_many_words(good, bad):
+    mesh = jax.make_mesh((N,), ("data",))
+    with pytest.raises(AssertionError, match=r"\['w'\]"):
+        sr.assert_replicated({"w": _copies(good, bad, mesh)}, mesh)
+
+
+def test_check_replicated_sees_the_high_word_of_64_bit_values():
+    with jax.enable_x64(True):
+        good = np.full(4, 2.0, np.float64)
+        bad = good.copy()
+        bad.view(np.uint64)[1] ^= np.uint64(1) << np.uint64(40)
+        mesh = jax.make_mesh((N,), ("data",))
+        with pytest.raises(AssertionError, match=r"\['w'\]"):
+            sr.assert_replicated({"w": _copies(good, bad, mesh)}, mesh)
+
+
 def test_settings_and_seed_mismatch_refused_at_start():
     mesh = jax.make_mesh((N,), ("data",))
     tx = sr.skip_reduce("data", num_skip=2, min_size=0)

@@ -189,6 +189,18 @@ def test_single_process_without_launcher() -> None:
 
 
 @pytest.mark.slow
+def test_processes_of_a_clean_job_may_end_far_apart() -> None:
+    # Process 0 reaches JAX's shutdown barrier 35 s before process 1: more
+    # than the 30 s that once aborted every process.
+    proc, elapsed = _run_launcher(
+        "-n", "2", "--timeout", "150", str(SCRIPTS / "uneven_exit.py"), "35",
+        timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[p0] RESULT done" in proc.stdout and "[p1] RESULT done" in proc.stdout
+    assert elapsed > 35
+
+
+@pytest.mark.slow
 def test_failing_process_ends_the_job(tmp_path: Path) -> None:
     proc, elapsed = _run_launcher(
         "-n", "2", "--timeout", "200", str(FAIL), str(tmp_path), "raise", "1"

@@ -7,7 +7,8 @@ Run twice with the same DIR (every process must get the same one)::
 
 ``train`` runs 2T steps of Random SkipReduce with error feedback and a
 warmup, saving after step T and after step 2T. ``resume`` (new processes)
-builds everything afresh, restores step T, checks that each residual row is
+asks for the latest step on process 0 alone, builds everything afresh,
+restores step T, checks that each residual row is
 on its own rank's device, runs T more steps and compares every array with
 checkpoint 2T, bit for bit. Asserts inside (exit code 1 on a difference) and
 prints ``RESULT <mode> ok`` per process.
@@ -33,8 +34,9 @@ from skipreduce_jax import checkpoint  # noqa: E402
 T = 3
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("data",))
+# min_size=100: "b" (32 elements) is never skipped; its residual is empty.
 tx = optax.chain(
-    sr.skip_reduce("data", num_skip=2, seed=11, min_size=0, warmup_steps=1,
+    sr.skip_reduce("data", num_skip=2, seed=11, min_size=100, warmup_steps=1,
                    error_feedback=True, chunks_per_rank=4),
     optax.adam(0.05))
 
@@ -87,10 +89,13 @@ if mode == "train":
     params, opt_state = run(params, opt_state, T, 2 * T)
     checkpoint.save(directory, 2 * T, params, opt_state)
 elif mode == "resume":
+    if jax.process_index() == 0:  # one process alone may ask
+        assert checkpoint.latest_step(directory) == 2 * T
     params, opt_state = fresh(99)
     step, params, opt_state = checkpoint.restore(
         directory, params_like=params, opt_state_like=opt_state, step=T)
     assert step == T and int(opt_state[0].count.addressable_data(0)) == T
+    assert opt_state[0].residual["b"].shape == (n, 0)
     devices = list(mesh.devices.flat)
     residual = opt_state[0].residual["w"]
     assert residual.shape == (n, 8, 32)
