@@ -606,7 +606,8 @@ def contribution_mask(
     With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``,
     ``inner_axis``, ``chunks_per_rank`` and ``bucket_bytes`` (the only
     arguments that decide who is summed), it asks the same bucket plan and
-    schedules that :func:`skip_psum` uses, so the two always agree. Error feedback keeps ``x * ~mask`` for the next step.
+    schedules that :func:`skip_psum` uses, so the two always agree. Error
+    feedback keeps ``x * ~mask`` for the next step.
 
     Args:
       x: the pytree that will be (or was) passed to :func:`skip_psum`.

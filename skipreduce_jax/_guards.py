@@ -3,8 +3,9 @@
 ``check_replicated(tree, axis_name)`` (inside ``shard_map``) reduces every
 leaf to two 32-bit checksums of its bit pattern (sums of a keyed hash of
 each word and its position) and compares them across the axis with one
-``pmin`` and one ``pmax`` of a vector of ``2 * num_leaves`` words. Its cost is one read of the tree plus two tiny all-reduces (latency
-only), so running it every few hundred steps is cheap.
+``pmin`` and one ``pmax`` of a vector of ``2 * num_leaves`` words. Its cost
+is one read of the tree plus two tiny all-reduces (latency only), so
+running it every few hundred steps is cheap.
 ``assert_replicated(tree, mesh)`` wraps it for use outside ``shard_map``.
 """
 

@@ -246,7 +246,7 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
 
     def local_init(params):
         state = tx.init(params)
-        _check_per_rank_axes(state, axes)
+        _check_per_rank_axes(state, axes, mesh.axis_names)
         return state
 
     init = jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs,
@@ -377,16 +377,22 @@ def make_train_step(
 def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:
     """Refuses updates that still differ by rank (``tx`` reduced nothing)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
-        varying = sorted(coll.varying_axes(leaf) & set(axes))
-        if varying:
+        varying = [a for a in axes if a in coll.varying_axes(leaf)]
+        if not varying:
+            continue
+        where = (f"make_train_step: tx returned an update at "
+                 f"{jax.tree_util.keystr(path) or 'the root'} that still "
+                 f"varies over {varying}")
+        if varying == list(axes[1:2]):  # reduced over the outer axis only
             raise ValueError(
-                f"make_train_step: tx returned an update at "
-                f"{jax.tree_util.keystr(path) or 'the root'} that still varies "
-                f"over {varying}: the step hands tx each rank's local "
-                "gradients, and tx must average them. Put "
-                f"skip_reduce({axes[0]!r}, ...) first in the optax.chain (a "
-                f"plain all-reduce baseline is skip_reduce({axes[0]!r}, "
-                "num_skip=0, min_size=0)).")
+                f"{where}: tx reduces over {axes[0]!r} but not over the "
+                f"inner axis of axis_name={axes}. Build "
+                f"skip_reduce({axes[0]!r}, inner_axis={axes[1]!r}, ...).")
+        raise ValueError(
+            f"{where}: the step hands tx each rank's local gradients, and tx "
+            f"must average them. Put skip_reduce({axes[0]!r}, ...) first in "
+            f"the optax.chain (a plain all-reduce baseline is "
+            f"skip_reduce({axes[0]!r}, num_skip=0, min_size=0)).")
 
 
 def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
@@ -400,23 +406,26 @@ def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
     return split
 
 
-def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...]) -> None:
+def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...],
+                         mesh_axes: Sequence[str]) -> None:
     """Refuses per-rank state that varies over more axes than ``axes``."""
     nodes = jax.tree_util.tree_leaves(
         opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
     for node in nodes:
         for name in _per_rank_fields(node):
             for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
-                extra = sorted(coll.varying_axes(leaf) - set(axes))
+                vary = coll.varying_axes(leaf)
+                extra = [a for a in mesh_axes if a in vary and a not in axes]
                 if extra:
+                    both = tuple(a for a in mesh_axes if a in vary or a in axes)
                     raise ValueError(
                         f"init_opt_state: the per-rank field {name!r} varies "
-                        f"over {sorted(coll.varying_axes(leaf))}, but "
+                        f"over {[a for a in mesh_axes if a in vary]}, but "
                         f"axis_name={axes if len(axes) > 1 else axes[0]!r} "
                         f"leaves out {extra}. With hierarchical SkipReduce "
                         "pass axis_name=(outer, inner), e.g. "
-                        f"{tuple(axes) + tuple(extra)}, here and to "
-                        "make_train_step, shard_batch and state_specs.")
+                        f"{both}, here and to make_train_step, shard_batch "
+                        "and state_specs.")
 
 
 def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,

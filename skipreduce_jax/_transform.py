@@ -224,8 +224,9 @@ def skip_reduce(
       skip_ratio: fraction of the N - 1 reduce-scatter steps to skip, in
         [0, 1]; resolved at trace time to ``k = floor(skip_ratio * (N - 1) +
         0.5)`` (round half up): 0.5 on 8 ranks gives k = 4. The ratio is
-        first read as the nearest fraction with a denominator up to 10**6,
-        so decimal ratios round as written (0.7 of 45 steps gives 32).
+        first read as the nearest fraction with a denominator up to
+        max(10**6, N - 1), so decimal ratios round as written (0.7 of 45
+        steps gives 32).
       seed: an int in [0, 2**32); the key of step t is
         ``fold_in(key(seed), t)``: the same on every rank and process. Use
         the same seed everywhere; give two ``skip_reduce`` in one optimizer
@@ -604,7 +605,8 @@ def comm_stats(
         if isinstance(value, bool) or not isinstance(
                 value, (int, np.integer)) or value < 1:
             raise ValueError(f"{api}: {name}={value!r} must be an int >= 1.")
-    if (config.inner_axis is None) != (inner is None):
+    if (config.inner_axis is None and inner not in (None, 1)) or (
+            config.inner_axis is not None and inner is None):
         raise ValueError(
             f"{api}: pass inner_axis and inner_size together (got inner_axis="
             f"{config.inner_axis!r}, inner_size={inner!r}): the traffic over "

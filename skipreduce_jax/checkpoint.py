@@ -175,7 +175,11 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """
     if not os.path.isdir(os.fspath(directory)):
         return None
-    steps = ocp.utils.checkpoint_steps(os.fspath(directory))
+    # Finalized step directories named as save names them (str(step)), the
+    # only ones restore reads (orbax would also count e.g. "backup_9").
+    steps = [int(path.name) for path in
+             ocp.utils.checkpoint_steps_paths(os.fspath(directory))
+             if path.name.isdigit()]
     return max(steps) if steps else None
 
 
@@ -267,7 +271,8 @@ def restore(
       FileNotFoundError: if the directory or the step does not exist.
       ValueError: if a ``skip_reduce`` state's settings fingerprint differs
         from the one in ``opt_state_like`` (the optimizer was built with
-        other settings), or its residuals are for another number of ranks.
+        other settings), or its residuals are for another number of ranks
+        or other leaves (another ``selective``).
 
     Example:
       >>> step, params, opt_state = restore(

@@ -93,8 +93,10 @@ _LAUNCHER_VARS: Final = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV
 #:   waits for the others at the shutdown barrier, and the coordination
 #:   service aborts every process still running when it runs out; processes
 #:   of a clean job may thus finish up to 5 minutes apart (e.g. process 0
-#:   writing a report). A failing process does not wait there: it ends at
-#:   once (below) and the launcher ends the others.
+#:   writing a report). A process that fails by an uncaught exception does
+#:   not wait there: it ends at once (below) and the launcher ends the
+#:   others. One that calls ``sys.exit(code)`` (argparse errors included)
+#:   does wait, up to this timeout if the others keep running.
 LAUNCHER_DEFAULTS: Final[Mapping[str, int]] = {
     "initialization_timeout": 120,
     "heartbeat_timeout_seconds": 20,

@@ -157,6 +157,10 @@ def test_abstract_targets_and_latest_step(mesh, uninterrupted, tmp_path):
     directory, saved_state, _, _ = uninterrupted
     assert checkpoint.latest_step(directory) == T
     assert checkpoint.latest_step(tmp_path / "none") is None
+    # Only directories that save writes count, as for restore(step=None).
+    (tmp_path / "backup_9").mkdir()
+    (tmp_path / "7.orbax-checkpoint-tmp-1").mkdir()
+    assert checkpoint.latest_step(tmp_path) is None
     tx, params, state, _ = _fresh(mesh)
     as_abstract = lambda t: jax.tree_util.tree_map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)

@@ -199,3 +199,19 @@ def test_step_over_the_outer_axis_only_names_the_fix():
                        r"'residual' varies over \['host', 'local'\].*"
                        r"\('host', 'local'\)"):
         sr.init_opt_state(tx, params, mesh, "host")
+
+
+def test_step_over_both_axes_with_a_flat_skip_reduce_names_the_fix():
+    # Local gradients over both axes, reduced over "host" only: the update
+    # still varies over "local".
+    mesh = jax.make_mesh((2, 4), AXES)
+    tx = optax.chain(sr.skip_reduce("host", num_skip=1, min_size=0),
+                     optax.sgd(0.05))
+    params = sr.replicate({"w": jnp.zeros((8, 2))}, mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh, AXES)
+    batch = sr.shard_batch(np.ones((8, 8), np.float32), mesh, AXES)
+    step = sr.make_train_step(lambda p, b: jnp.sum(b @ p["w"]), tx, mesh, AXES)
+    with pytest.raises(ValueError, match=r"varies over \['local'\]: tx reduces "
+                       r"over 'host' but not over the inner axis.*"
+                       r"skip_reduce\('host', inner_axis='local', \.\.\.\)"):
+        step(params, opt_state, batch)

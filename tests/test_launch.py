@@ -379,12 +379,10 @@ def test_chosen_port_is_held_until_the_job_ends(
     # Another program binds the chosen port after the launcher chose it and
     # before process 0's coordinator binds it (the race, made certain).
     rival_errors: list[int] = []
-    ports: list[int] = []
     run = launch._Job.run
 
     def run_after_a_rival(job: launch._Job) -> int:
         port = int(job.env[distributed.ENV_COORDINATOR].rsplit(":", 1)[1])
-        ports.append(port)
         with socket.socket() as rival:
             try:
                 rival.bind(("127.0.0.1", port))
@@ -394,15 +392,21 @@ def test_chosen_port_is_held_until_the_job_ends(
             return run(job)
 
     monkeypatch.setattr(launch._Job, "run", run_after_a_rival)
+    reservations: list[socket.socket] = []
+    reserve = launch._reserve_port
+
+    def recorded(port: int | None) -> socket.socket:
+        reservations.append(reserve(port))
+        return reservations[-1]
+
+    monkeypatch.setattr(launch, "_reserve_port", recorded)
     code = launch.launch(COLLECTIVE, ["2", "1"], num_processes=2, env=_env(), timeout=100)
     out, err = capfd.readouterr()
     assert rival_errors == [errno.EADDRINUSE]
     assert code == 0, out + err
     assert sorted(launcher_results(out)) == [0, 1], out
-    # Released afterwards: the port can be bound again.
-    with socket.socket() as after:
-        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        after.bind(("127.0.0.1", ports[0]))
+    # Released afterwards: the reserving socket is closed.
+    assert reservations and all(sock.fileno() == -1 for sock in reservations)
 
 
 @pytest.mark.parametrize(

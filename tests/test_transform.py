@@ -391,6 +391,8 @@ def test_comm_stats_checks_its_arguments():
         sr.comm_stats(grads, 4, num_skip=1, inner_axis="local")
     with pytest.raises(ValueError, match="pass inner_axis and inner_size together"):
         sr.comm_stats(grads, 4, num_skip=1, inner_size=2)
+    assert sr.comm_stats(grads, 4, num_skip=1, min_size=0, inner_size=1) == (
+        sr.comm_stats(grads, 4, num_skip=1, min_size=0))
     with pytest.raises(ValueError, match="inner_size=0 must be"):
         sr.comm_stats(grads, 4, num_skip=1, inner_axis="local", inner_size=0)
     whole = sr.comm_stats(grads, 4, num_skip=1, min_size=0)
