@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import math
 import re
+import warnings
 import zlib
 from typing import Any, Callable, NamedTuple
 
@@ -442,6 +443,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     _check_local(leaves, config)
     skippable = config.skippable(updates, params)
+    if num_skip > 0 and leaves and not any(skippable):
+        warnings.warn(
+            f"{_API}: no leaf may be skipped (each is excluded by selective or "
+            f"smaller than min_size={config.min_size}), so every step is a "
+            "full all-reduce. For a small model pass e.g. min_size=0.",
+            stacklevel=2)
     axes = _axes(config)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
