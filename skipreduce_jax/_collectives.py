@@ -25,7 +25,8 @@ from jax import lax
 from skipreduce_jax import _ring
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from skipreduce_jax._schedule import SkipSchedule, make_schedule
-from skipreduce_jax._vma import all_gather_replicated, varying_axes, vma_checked
+from skipreduce_jax._vma import (all_gather_replicated, cast_varying,
+                                 varying_axes, vma_checked)
 
 Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = ("contributors", "world")
@@ -271,7 +272,7 @@ def _reduce(
     if vma_checked(axis_name):
         # Values typed replicated are summed N times, exactly as psum does.
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
-        leaves = [_to_varying(leaf, axes) for leaf in leaves]
+        leaves = [cast_varying(leaf, axes) for leaf in leaves]
 
     outputs, left_out = [], []
     for bucket, schedule in zip(plan.buckets, schedules):
@@ -303,7 +304,7 @@ def _reduce(
     def summed_zeros(i):
         leaf = leaves[i]
         zeros = jnp.zeros(leaf.shape, leaf.dtype)
-        return _to_varying(zeros, tuple(sorted(varying_axes(leaf) - reduced)))
+        return cast_varying(zeros, tuple(sorted(varying_axes(leaf) - reduced)))
 
     result = plan.unpack(outputs, fill=summed_zeros)
     if not dropped:
@@ -361,11 +362,6 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
     out = lax.fori_loop(0, schedule.num_skip * columns, copy_piece,
                         jnp.zeros_like(pieces))
     return out.reshape(-1)
-
-
-def _to_varying(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in varying_axes(leaf))
-    return lax.pcast(leaf, missing, to="varying") if missing else leaf
 
 
 # ----------------------------------------------------------------------------

@@ -82,9 +82,7 @@ def leaf_agreement(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
     if coll.vma_checked(axes[0]):
         # Values typed replicated would be compared with themselves for free;
         # cast so that the comparison really crosses the devices.
-        missing = tuple(a for a in axes if a not in coll.varying_axes(sums))
-        if missing:
-            sums = lax.pcast(sums, missing, to="varying")
+        sums = coll.cast_varying(sums, axes)
     same = jnp.all(lax.pmin(sums, axes) == lax.pmax(sums, axes), axis=1)
     return jax.tree_util.tree_unflatten(treedef, list(same))
 

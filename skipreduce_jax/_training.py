@@ -26,7 +26,7 @@ steps queued, XLA's in-process collectives time out waiting for each other.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +73,8 @@ def to_varying(tree: Any, axis_name: AxisNames) -> Any:
     if not coll.vma_checked(axes[0]):
         return tree
 
-    def cast(leaf):
-        missing = tuple(a for a in axes if a not in coll.varying_axes(leaf))
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree_util.tree_map(cast, tree)
+    return jax.tree_util.tree_map(lambda leaf: coll.cast_varying(leaf, axes),
+                                  tree)
 
 
 def local_value_and_grad(
@@ -406,41 +403,42 @@ def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
     return split
 
 
-def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...],
-                         mesh_axes: Sequence[str]) -> None:
-    """Refuses per-rank state that varies over more axes than ``axes``."""
+def _per_rank_leaves(opt_state: Any) -> Iterator[tuple[str, Any]]:
+    """``(field name, leaf)`` for every leaf of every per-rank field."""
     nodes = jax.tree_util.tree_leaves(
         opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
     for node in nodes:
         for name in _per_rank_fields(node):
             for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
-                vary = coll.varying_axes(leaf)
-                extra = [a for a in mesh_axes if a in vary and a not in axes]
-                if extra:
-                    both = tuple(a for a in mesh_axes if a in vary or a in axes)
-                    raise ValueError(
-                        f"init_opt_state: the per-rank field {name!r} varies "
-                        f"over {[a for a in mesh_axes if a in vary]}, but "
-                        f"axis_name={axes if len(axes) > 1 else axes[0]!r} "
-                        f"leaves out {extra}. With hierarchical SkipReduce "
-                        "pass axis_name=(outer, inner), e.g. "
-                        f"{both}, here and to make_train_step, shard_batch "
-                        "and state_specs.")
+                yield name, leaf
+
+
+def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...],
+                         mesh_axes: Sequence[str]) -> None:
+    """Refuses per-rank state that varies over more axes than ``axes``."""
+    for name, leaf in _per_rank_leaves(opt_state):
+        vary = coll.varying_axes(leaf)
+        extra = [a for a in mesh_axes if a in vary and a not in axes]
+        if extra:
+            both = tuple(a for a in mesh_axes if a in vary or a in axes)
+            raise ValueError(
+                f"init_opt_state: the per-rank field {name!r} varies over "
+                f"{[a for a in mesh_axes if a in vary]}, but axis_name="
+                f"{axes if len(axes) > 1 else axes[0]!r} leaves out {extra}. "
+                "With hierarchical SkipReduce pass axis_name=(outer, inner), "
+                f"e.g. {both}, here and to make_train_step, shard_batch and "
+                "state_specs.")
 
 
 def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,
                          axes: tuple[str, ...]) -> None:
     """Refuses per-rank state that does not hold one row per rank."""
     ranks = math.prod(mesh.shape[a] for a in axes)
-    nodes = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
-    for node in nodes:
-        for name in _per_rank_fields(node):
-            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
-                if np.ndim(leaf) == 0 or np.shape(leaf)[0] != ranks:
-                    raise ValueError(
-                        f"make_train_step: opt_state's per-rank field {name!r} "
-                        f"has a leaf of shape {np.shape(leaf)}; it needs one "
-                        f"row per rank over {list(axes)} ({ranks}). Build the "
-                        "state with skipreduce_jax.init_opt_state(tx, params, "
-                        "mesh): tx.init alone makes a single row.")
+    for name, leaf in _per_rank_leaves(opt_state):
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != ranks:
+            raise ValueError(
+                f"make_train_step: opt_state's per-rank field {name!r} has a "
+                f"leaf of shape {np.shape(leaf)}; it needs one row per rank "
+                f"over {list(axes)} ({ranks}). Build the state with "
+                "skipreduce_jax.init_opt_state(tx, params, mesh): tx.init "
+                "alone makes a single row.")

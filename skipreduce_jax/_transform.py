@@ -387,7 +387,7 @@ def _per_rank_zeros(param: Any, config: _Config) -> jax.Array:
         checked = coll.vma_checked(config.axis_name)
     except NameError:  # init outside shard_map: nothing to type
         return zeros
-    return lax.pcast(zeros, _axes(config), to="varying") if checked else zeros
+    return coll.cast_varying(zeros, _axes(config)) if checked else zeros
 
 
 def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],

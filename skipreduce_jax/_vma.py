@@ -27,6 +27,16 @@ def vma_checked(axis_name: str) -> bool:
     return axis_name in varying_axes(lax.axis_index(axis_name))
 
 
+def cast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` typed varying over every axis in ``axes`` (no data moves).
+
+    Axes over which ``x`` already varies are left alone. Only for use where
+    the types are tracked (check_vma=True), unless ``axes`` is empty.
+    """
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def all_gather_replicated(x: jax.Array, axis_name: str, **kwargs: Any
                           ) -> jax.Array:
     """``lax.all_gather``, typed replicated where JAX tracks the types.
