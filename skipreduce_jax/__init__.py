@@ -32,11 +32,11 @@ from skipreduce_jax._training import replicate as replicate
 from skipreduce_jax._training import shard_batch as shard_batch
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
-from skipreduce_jax._transform import CommStats as CommStats
+from skipreduce_jax._selection import by_path as by_path
+from skipreduce_jax._selection import exclude as exclude
+from skipreduce_jax._stats import CommStats as CommStats
+from skipreduce_jax._stats import comm_stats as comm_stats
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState
-from skipreduce_jax._transform import by_path as by_path
-from skipreduce_jax._transform import comm_stats as comm_stats
-from skipreduce_jax._transform import exclude as exclude
 from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize
 from skipreduce_jax.distributed import process_info as process_info

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from skipreduce_jax import _checks as checks
 from skipreduce_jax import _ring
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from skipreduce_jax._schedule import SkipSchedule, make_schedule
@@ -29,7 +30,9 @@ from skipreduce_jax._vma import (all_gather_replicated, cast_varying,
                                  varying_axes, vma_checked)
 
 Normalize = Literal["contributors", "world"]
-NORMALIZE_CHOICES = ("contributors", "world")
+NORMALIZE_CHOICES = {"contributors": "divide by the N - k ranks summed",
+                     "world": "divide by N"}
+GATHER_CHOICES = {"native": "lax.all_gather", "ring": "N - 1 ppermute steps"}
 
 
 # ----------------------------------------------------------------------------
@@ -37,51 +40,14 @@ NORMALIZE_CHOICES = ("contributors", "world")
 # ----------------------------------------------------------------------------
 
 
-def axis_size(axis_name: str, *, api: str, argument: str = "axis_name") -> int:
-    """The size of a bound axis, with an error that says how to bind it."""
-    if not isinstance(axis_name, str):
-        raise TypeError(
-            f"{api}: {argument}={axis_name!r} must be the name (a str) of one "
-            "mesh axis.")
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise NameError(
-            f"{api}: {argument}={axis_name!r} is not a bound axis. Call {api} "
-            f"inside jax.shard_map(f, mesh=mesh, ...) whose mesh has an axis "
-            f"named {axis_name!r}.") from e
-
-
-def check_num_skip(num_skip: Any, n: int, *, api: str) -> int:
-    """Checks that ``num_skip`` is a Python int in [0, n - 1]."""
-    if isinstance(num_skip, (bool, np.bool_)) or not isinstance(
-            num_skip, (int, np.integer)):
-        raise TypeError(
-            f"{api}: num_skip={num_skip!r} must be a Python int (the number of "
-            f"reduce-scatter steps to skip), in [0, {n - 1}] for an axis of "
-            f"size {n}.")
-    if not 0 <= num_skip <= n - 1:
-        raise ValueError(
-            f"{api}: num_skip={num_skip} is outside [0, {n - 1}] for an axis of "
-            f"size {n}: at most N - 1 = {n - 1} reduce-scatter steps exist.")
-    return int(num_skip)
-
-
 def check_sizes(chunks_per_rank: Any, bucket_bytes: Any, *, api: str
                 ) -> tuple[int | None, int]:
     """Checks ``chunks_per_rank`` (None or int >= 1) and ``bucket_bytes``."""
-    for name, value, allow_none in (("chunks_per_rank", chunks_per_rank, True),
-                                    ("bucket_bytes", bucket_bytes, False)):
-        if value is None and allow_none:
-            continue
-        if isinstance(value, (bool, np.bool_)) or not isinstance(
-                value, (int, np.integer)) or value < 1:
-            raise ValueError(
-                f"{api}: {name}={value!r} must be a positive int"
-                + (" or None (choose from the bucket size)." if allow_none
-                   else "."))
-    return (None if chunks_per_rank is None else int(chunks_per_rank),
-            int(bucket_bytes))
+    return (checks.check_int(chunks_per_rank, "chunks_per_rank", api=api,
+                             minimum=1, allow_none=True, type_error=ValueError,
+                             what="(choose from the bucket size)"),
+            checks.check_int(bucket_bytes, "bucket_bytes", api=api, minimum=1,
+                             type_error=ValueError))
 
 
 def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
@@ -117,11 +83,8 @@ def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
 
 
 def check_normalize(normalize: Any, *, api: str) -> str:
-    if normalize not in NORMALIZE_CHOICES:
-        raise ValueError(
-            f"{api}: normalize={normalize!r} must be 'contributors' (divide by "
-            "the N - k ranks summed) or 'world' (divide by N).")
-    return normalize
+    return checks.check_choice(normalize, "normalize", NORMALIZE_CHOICES,
+                               api=api)
 
 
 def as_typed_key(key: Any, *, api: str) -> jax.Array:
@@ -184,18 +147,6 @@ def _check_not_sharded(leaves, api: str):
 # ----------------------------------------------------------------------------
 
 
-def _axes(axis_name: str, inner_axis: str | None, api: str) -> tuple[int, int]:
-    n = axis_size(axis_name, api=api)
-    if inner_axis is None:
-        return n, 1
-    if inner_axis == axis_name:
-        raise ValueError(
-            f"{api}: inner_axis={inner_axis!r} is also axis_name. Name two "
-            "different mesh axes: axis_name the slow (skipped) one, inner_axis "
-            "the fast one.")
-    return n, axis_size(inner_axis, api=api, argument="inner_axis")
-
-
 def _plan(
     tree: Any,
     axis_name: str,
@@ -209,13 +160,12 @@ def _plan(
     api: str,
 ) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
     """Checks arguments, plans buckets, and makes one schedule per bucket."""
-    n, inner = _axes(axis_name, inner_axis, api)
-    if not isinstance(randomize, (bool, np.bool_)):
-        raise TypeError(f"{api}: randomize={randomize!r} must be a bool (False: "
-                        "static SkipReduce).")
+    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
+    checks.check_bool(randomize, "randomize", api=api,
+                      meaning="False: static SkipReduce")
     tree = jax.tree_util.tree_map(jnp.asarray, tree)
     _check_not_sharded(jax.tree_util.tree_leaves(tree), api)
-    num_skip = check_num_skip(num_skip, n, api=api)
+    num_skip = checks.check_num_skip(num_skip, n, api=api)
     chunks_per_rank, bucket_bytes = check_sizes(chunks_per_rank, bucket_bytes,
                                                 api=api)
     needs_key = randomize and num_skip > 0
@@ -265,8 +215,7 @@ def _reduce(
         tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, api=api)
-    if gather not in ("native", "ring"):
-        raise ValueError(f"{api}: gather={gather!r} must be 'native' or 'ring'.")
+    checks.check_choice(gather, "gather", GATHER_CHOICES, api=api)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
     leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
     if vma_checked(axis_name):
@@ -472,13 +421,12 @@ def skip_psum(
     """
     api = "skip_psum"
     _check_floating(jax.tree_util.tree_leaves(x), api)
-    if not isinstance(rescale, (bool, np.bool_)):
-        raise TypeError(f"{api}: rescale={rescale!r} must be a bool (True: "
-                        "multiply the sum by N / (N - k)).")
+    checks.check_bool(rescale, "rescale", api=api,
+                      meaning="True: multiply the sum by N / (N - k)")
     scale = None
     if rescale:
-        n, _ = _axes(axis_name, inner_axis, api)
-        k = check_num_skip(num_skip, n, api=api)
+        n, _ = checks.axes_pair(axis_name, inner_axis, api=api)
+        k = checks.check_num_skip(num_skip, n, api=api)
         scale = n / (n - k)
     return _reduce(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
@@ -576,8 +524,8 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            api: str, dropped: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
-    n, inner = _axes(axis_name, inner_axis, api)
-    k = check_num_skip(num_skip, n, api=api)
+    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
+    k = checks.check_num_skip(num_skip, n, api=api)
     count = (n - k if normalize == "contributors" else n) * inner
     return _reduce(
         x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from skipreduce_jax import _collectives as coll
+from skipreduce_jax._checks import axis_size
+from skipreduce_jax._vma import cast_varying, vma_checked
 
 
 # Two seeds: two independent 32-bit checksums per leaf.
@@ -74,15 +75,15 @@ def leaf_agreement(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
     """
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     for a in axes:
-        coll.axis_size(a, api="check_replicated")
+        axis_size(a, api="check_replicated")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
     sums = jnp.stack([_checksums(leaf) for leaf in leaves])
-    if coll.vma_checked(axes[0]):
+    if vma_checked(axes[0]):
         # Values typed replicated would be compared with themselves for free;
         # cast so that the comparison really crosses the devices.
-        sums = coll.cast_varying(sums, axes)
+        sums = cast_varying(sums, axes)
     same = jnp.all(lax.pmin(sums, axes) == lax.pmax(sums, axes), axis=1)
     return jax.tree_util.tree_unflatten(treedef, list(same))
 

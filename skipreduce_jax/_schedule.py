@@ -27,10 +27,13 @@ feedback of the optax transformation and the tests all ask this one object.
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from skipreduce_jax._checks import check_bool, check_int, check_real
 
 # The smallest sub-chunk the default granularity creates, and the most
 # sub-chunks per slot it uses.
@@ -144,21 +147,15 @@ def make_schedule(
         >>> s.contribution_matrix().sum(axis=0).tolist()
         [[3], [3], [3], [3]]
     """
-    def is_int(value):
-        return isinstance(value, (int, np.integer)) and not isinstance(
-            value, (bool, np.bool_))
-
-    for name, value in (("axis_size", axis_size),
-                        ("chunks_per_rank", chunks_per_rank)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"make_schedule: {name}={value!r} must be a "
-                             "positive int.")
-    if not is_int(num_skip) or not 0 <= num_skip <= axis_size - 1:
-        raise ValueError(f"make_schedule: num_skip={num_skip!r} must be an int "
-                         f"in [0, {axis_size - 1}] for axis_size={axis_size}.")
-    axis_size, num_skip, chunks_per_rank = (int(axis_size), int(num_skip),
-                                            int(chunks_per_rank))
-    randomized = bool(randomize) and num_skip > 0
+    api = "make_schedule"
+    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1,
+                          type_error=ValueError)
+    chunks_per_rank = check_int(chunks_per_rank, "chunks_per_rank", api=api,
+                                minimum=1, type_error=ValueError)
+    num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
+                         maximum=axis_size - 1, type_error=ValueError,
+                         what=f"for axis_size={axis_size}")
+    randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
@@ -167,3 +164,40 @@ def make_schedule(
     else:
         offsets = jnp.zeros((chunks_per_rank,), jnp.int32)
     return SkipSchedule(axis_size, num_skip, chunks_per_rank, randomized, offsets)
+
+
+def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
+    """Converts a skip ratio into a number of skipped steps.
+
+    The rule rounds half up: ``k = floor(skip_ratio * (n - 1) + 0.5)``, clipped
+    to ``[0, n - 1]``. The ratio is read as the nearest fraction with a
+    denominator up to ``max(10**6, n - 1)``, so decimal ratios round as
+    written.
+
+    Args:
+        skip_ratio: Fraction of the ``n - 1`` reduce-scatter steps to skip, in
+            ``[0, 1]``.
+        n: Number of ranks, ``>= 1``.
+
+    Returns:
+        The number of skipped steps ``k``.
+
+    Example:
+        >>> skip_ratio_to_num_skip(0.5, 8), skip_ratio_to_num_skip(1.0, 8)
+        (4, 7)
+        >>> skip_ratio_to_num_skip(0.5, 4)  # 1.5 rounds up
+        2
+        >>> skip_ratio_to_num_skip(0.7, 46)  # 31.5, also in decimal ratios
+        32
+    """
+    n = check_int(n, "n", minimum=1)
+    r = check_real(skip_ratio, "skip_ratio")
+    if r > 1:
+        raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
+    # Exact arithmetic on the ratio meant (0.7 is 7/10 and 1/6 is 1/6, not
+    # the floats next to them), so that 0.7 of 45 steps, 31.5, rounds up.
+    # Denominators up to n - 1 keep k / (n - 1) exact for any n up to ~1e8
+    # (fractions that close differ by far more than a float's error).
+    exact = fractions.Fraction(float(r)).limit_denominator(max(10**6, n - 1))
+    k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
+    return min(max(k, 0), n - 1)

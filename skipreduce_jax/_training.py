@@ -26,7 +26,7 @@ steps queued, XLA's in-process collectives time out waiting for each other.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from skipreduce_jax import _collectives as coll
 from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._per_rank import per_rank_fields, per_rank_leaves
 from skipreduce_jax._transform import SkipReduceState
+from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
 AxisNames = str | tuple[str, ...]
 
@@ -70,10 +71,10 @@ def to_varying(tree: Any, axis_name: AxisNames) -> Any:
     with ``check_vma=False`` nothing changes.
     """
     axes = _as_tuple(axis_name)
-    if not coll.vma_checked(axes[0]):
+    if not vma_checked(axes[0]):
         return tree
 
-    return jax.tree_util.tree_map(lambda leaf: coll.cast_varying(leaf, axes),
+    return jax.tree_util.tree_map(lambda leaf: cast_varying(leaf, axes),
                                   tree)
 
 
@@ -157,19 +158,13 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
 
     def spec(node):
         specs = jax.tree_util.tree_map(lambda _: P(), node)
-        for name in _per_rank_fields(node):
+        for name in per_rank_fields(node):
             specs = specs._replace(**{name: jax.tree_util.tree_map(
                 lambda _: per_rank_spec, getattr(node, name))})
         return specs
 
     return jax.tree_util.tree_map(
-        spec, opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
-
-
-def _per_rank_fields(node: Any) -> tuple[str, ...]:
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return tuple(getattr(type(node), "per_rank_fields", ()))
-    return ()
+        spec, opt_state, is_leaf=lambda n: bool(per_rank_fields(n)))
 
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -374,7 +369,7 @@ def make_train_step(
 def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:
     """Refuses updates that still differ by rank (``tx`` reduced nothing)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
-        varying = [a for a in axes if a in coll.varying_axes(leaf)]
+        varying = [a for a in axes if a in varying_axes(leaf)]
         if not varying:
             continue
         where = (f"make_train_step: tx returned an update at "
@@ -403,21 +398,11 @@ def _split(microbatches: int) -> Callable[[jax.Array], jax.Array]:
     return split
 
 
-def _per_rank_leaves(opt_state: Any) -> Iterator[tuple[str, Any]]:
-    """``(field name, leaf)`` for every leaf of every per-rank field."""
-    nodes = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda n: bool(_per_rank_fields(n)))
-    for node in nodes:
-        for name in _per_rank_fields(node):
-            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
-                yield name, leaf
-
-
 def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...],
                          mesh_axes: Sequence[str]) -> None:
     """Refuses per-rank state that varies over more axes than ``axes``."""
-    for name, leaf in _per_rank_leaves(opt_state):
-        vary = coll.varying_axes(leaf)
+    for name, leaf in per_rank_leaves(opt_state):
+        vary = varying_axes(leaf)
         extra = [a for a in mesh_axes if a in vary and a not in axes]
         if extra:
             both = tuple(a for a in mesh_axes if a in vary or a in axes)
@@ -434,7 +419,7 @@ def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,
                          axes: tuple[str, ...]) -> None:
     """Refuses per-rank state that does not hold one row per rank."""
     ranks = math.prod(mesh.shape[a] for a in axes)
-    for name, leaf in _per_rank_leaves(opt_state):
+    for name, leaf in per_rank_leaves(opt_state):
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != ranks:
             raise ValueError(
                 f"make_train_step: opt_state's per-rank field {name!r} has a "

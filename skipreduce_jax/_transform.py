@@ -16,12 +16,9 @@ are not selected for skipping (``selective``), leaves smaller than
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
-import re
 import warnings
 import zlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +26,13 @@ import numpy as np
 import optax
 from jax import lax
 
+from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
-from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._per_rank import check_local, per_rank_zeros
+from skipreduce_jax._schedule import skip_ratio_to_num_skip
+from skipreduce_jax._selection import check_selective, skippable
 
 _API = "skip_reduce"
 
@@ -60,64 +61,6 @@ class SkipReduceState(NamedTuple):
 
     # Placed per rank by skipreduce_jax.state_specs.
     per_rank_fields = ("residual",)
-
-
-class PathSelector:
-    """Selects leaves by their tree path: ``predicate(path, leaf) -> bool``.
-
-    ``path`` is ``jax.tree_util.keystr`` of the leaf's path, for example
-    ``"['params']['Embed_0']['embedding']"``. True allows skipping.
-    """
-
-    def __init__(self, predicate: Callable[[str, Any], bool]):
-        self.predicate = predicate
-
-    def __call__(self, tree: Any) -> Any:
-        def flag(path, leaf):
-            path = jax.tree_util.keystr(path)
-            value = self.predicate(path, leaf)
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(
-                    f"{_API}: the selective predicate returned {value!r} for "
-                    f"{path}; it must return a bool (True: skipping allowed), "
-                    "e.g. bool(re.search(...)).")
-            return bool(value)
-
-        return jax.tree_util.tree_map_with_path(flag, tree)
-
-
-def by_path(predicate: Callable[[str, Any], bool]) -> PathSelector:
-    """A ``selective`` argument that decides from each leaf's path.
-
-    Args:
-      predicate: ``(path: str, leaf) -> bool``; True allows skipping.
-
-    Returns:
-      A selector applied to the gradient tree (no params needed).
-
-    Example:
-      >>> sel = by_path(lambda path, leaf: "embed" not in path.lower())
-      >>> tx = skip_reduce("data", skip_ratio=0.5, selective=sel)
-    """
-    return PathSelector(predicate)
-
-
-def exclude(*patterns: str) -> PathSelector:
-    """Full all-reduce for leaves whose path matches any regex in ``patterns``.
-
-    Args:
-      *patterns: regular expressions searched in the path string, e.g.
-        ``"Embed"``, ``"Conv_0"``.
-
-    Returns:
-      A ``selective`` argument for :func:`skip_reduce`.
-
-    Example:
-      >>> tx = skip_reduce("data", num_skip=4, selective=exclude("Embed", "Conv_0"))
-    """
-    compiled = [re.compile(p) for p in patterns]
-    return PathSelector(
-        lambda path, leaf: not any(c.search(path) for c in compiled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,49 +92,12 @@ class _Config:
 
     def resolve_num_skip(self, n: int) -> int:
         if self.skip_ratio is not None:
-            # Imported here so that `python -m skipreduce_jax.cost` does not
-            # find its own module already loaded by the package.
-            from skipreduce_jax.cost import skip_ratio_to_num_skip
             return skip_ratio_to_num_skip(self.skip_ratio, n)
-        return coll.check_num_skip(self.num_skip, n, api=_API)
+        return checks.check_num_skip(self.num_skip, n, api=_API)
 
     def skippable(self, updates: Any, params: Any) -> list[bool]:
         """One Python bool per leaf: True when the leaf may be skipped."""
-        leaves = jax.tree_util.tree_leaves(updates)
-        sel = self.selective
-        if sel is None:
-            flags = [True] * len(leaves)
-        else:
-            if isinstance(sel, PathSelector):
-                mask = sel(updates)
-            elif callable(sel):
-                if params is None:
-                    raise ValueError(
-                        f"{_API}: selective is a callable of params, but update() "
-                        "got params=None. Call tx.update(grads, state, params) "
-                        "(optax.chain passes them through), or use "
-                        "skipreduce_jax.by_path(...) which needs no params.")
-                mask = sel(params)
-            else:
-                mask = sel
-            try:
-                mask = jax.tree_util.tree_map(
-                    lambda m, sub: jax.tree_util.tree_map(lambda _: m, sub),
-                    mask, updates)
-            except ValueError as e:
-                raise ValueError(
-                    f"{_API}: selective does not match the gradient tree: it "
-                    "must have the same structure (or a prefix of it) with a "
-                    f"bool per leaf. {e}") from e
-            flags = jax.tree_util.tree_leaves(mask)
-            for flag in flags:
-                if not isinstance(flag, (bool, np.bool_)):
-                    raise TypeError(
-                        f"{_API}: selective gave {flag!r}; every entry must be a "
-                        "Python bool (True: skipping allowed, False: full "
-                        "all-reduce), known at trace time.")
-        return [bool(f) and math.prod(np.shape(leaf)) >= self.min_size
-                for f, leaf in zip(flags, leaves)]
+        return skippable(self.selective, self.min_size, updates, params)
 
 
 def skip_reduce(
@@ -296,7 +202,8 @@ def skip_reduce(
             leaves, treedef = jax.tree_util.tree_flatten(params)
             flags = config.skippable(params, params)
             residual = jax.tree_util.tree_unflatten(treedef, [
-                _per_rank_zeros(p if s else jnp.zeros((0,), p.dtype), config)
+                per_rank_zeros(np.shape(p) if s else (0,), p.dtype,
+                               _axes(config))
                 for p, s in zip(leaves, flags)])
         return SkipReduceState(jnp.zeros((), jnp.int32), key,
                                jnp.uint32(config.fingerprint()), residual)
@@ -309,7 +216,7 @@ def skip_reduce(
 
 
 def _make_config(
-    axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
+    *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
     min_size, warmup_steps, error_feedback, inner_axis, chunks_per_rank,
     bucket_bytes, accumulate_dtype, check_finite, verify_sync,
 ) -> _Config:
@@ -318,10 +225,10 @@ def _make_config(
             f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
             f"(a fraction in [0, 1]); got num_skip={num_skip!r}, "
             f"skip_ratio={skip_ratio!r}.")
-    if num_skip is not None and (isinstance(num_skip, bool) or not isinstance(
-            num_skip, (int, np.integer)) or num_skip < 0):
-        raise ValueError(f"{_API}: num_skip={num_skip!r} must be an int >= 0 "
-                         "(at most N - 1, checked at trace time).")
+    num_skip = checks.check_int(num_skip, "num_skip", api=_API, minimum=0,
+                                allow_none=True, type_error=ValueError,
+                                allowed="an int >= 0 (or None)",
+                                what="(at most N - 1, checked at trace time)")
     if skip_ratio is not None and (isinstance(skip_ratio, bool) or not
                                    isinstance(skip_ratio, (int, float,
                                                            np.integer,
@@ -337,57 +244,40 @@ def _make_config(
             f"{_API}: error_feedback=True needs normalize='world' (or None): "
             "each value is delivered exactly once over time, so the mean "
             "divides by N.")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"{_API}: seed={seed!r} must be an int.")
-    if not 0 <= seed < 2**32:
-        # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5
-        # would silently be the key of 5.
-        raise ValueError(f"{_API}: seed={seed!r} must be in [0, 2**32).")
-    for name, value in (("min_size", min_size), ("warmup_steps", warmup_steps)):
-        if isinstance(value, bool) or not isinstance(
-                value, (int, np.integer)) or value < 0:
-            raise ValueError(
-                f"{_API}: {name}={value!r} must be a non-negative int.")
+    # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
+    # silently be the key of 5.
+    seed = checks.check_int(seed, "seed", api=_API, minimum=0,
+                            maximum=2**32 - 1, type_error=ValueError,
+                            allowed="in [0, 2**32) (an int)")
+    min_size = checks.check_int(min_size, "min_size", api=_API, minimum=0,
+                                type_error=ValueError)
+    warmup_steps = checks.check_int(warmup_steps, "warmup_steps", api=_API,
+                                    minimum=0, type_error=ValueError)
     if not isinstance(axis_name, str):
         raise TypeError(f"{_API}: axis_name={axis_name!r} must be a mesh axis "
                         "name (str); use inner_axis= for hierarchical mode.")
-    if inner_axis is not None and inner_axis == axis_name:
-        raise ValueError(f"{_API}: inner_axis={inner_axis!r} is also axis_name; "
-                         "name two different mesh axes.")
-    if selective is not None and not callable(selective) and not \
-            jax.tree_util.tree_leaves(selective):
-        raise ValueError(f"{_API}: selective={selective!r} has no entries.")
-    for name, value in (("randomize", randomize),
-                        ("error_feedback", error_feedback),
-                        ("check_finite", check_finite),
-                        ("verify_sync", verify_sync)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{_API}: {name}={value!r} must be a bool.")
+    checks.check_distinct_axes(axis_name, inner_axis, api=_API)
+    check_selective(selective, api=_API)
+    flags = {name: checks.check_bool(value, name, api=_API) for name, value in (
+        ("randomize", randomize), ("error_feedback", error_feedback),
+        ("check_finite", check_finite), ("verify_sync", verify_sync))}
     chunks_per_rank, bucket_bytes = coll.check_sizes(
         chunks_per_rank, bucket_bytes, api=_API)
     accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
 
     # Plain Python values, so that equal settings have equal fingerprints.
     return _Config(
-        axis_name, None if num_skip is None else int(num_skip),
-        None if skip_ratio is None else float(skip_ratio), int(seed),
-        bool(randomize), normalize, selective, int(min_size),
-        int(warmup_steps), bool(error_feedback), inner_axis, chunks_per_rank,
-        bucket_bytes, accumulate_dtype, bool(verify_sync), bool(check_finite))
+        axis_name=axis_name, num_skip=num_skip,
+        skip_ratio=None if skip_ratio is None else float(skip_ratio),
+        seed=seed, normalize=normalize, selective=selective,
+        min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
+        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
+        accumulate_dtype=accumulate_dtype, **flags)
 
 
 def _axes(config: _Config) -> tuple[str, ...]:
     return (config.axis_name,) + ((config.inner_axis,) if config.inner_axis
                                   else ())
-
-
-def _per_rank_zeros(param: Any, config: _Config) -> jax.Array:
-    zeros = jnp.zeros((1,) + tuple(np.shape(param)), param.dtype)
-    try:
-        checked = coll.vma_checked(config.axis_name)
-    except NameError:  # init outside shard_map: nothing to type
-        return zeros
-    return coll.cast_varying(zeros, _axes(config)) if checked else zeros
 
 
 def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],
@@ -404,44 +294,12 @@ def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],
                 "skipreduce_jax.init_opt_state (or tx.init inside shard_map).")
 
 
-def _check_local(leaves: list[jax.Array], config: _Config) -> None:
-    """Refuses gradients that autodiff already summed over the data axis."""
-    if not coll.vma_checked(config.axis_name):
-        return
-    for leaf in leaves:
-        missing = set(_axes(config)) - coll.varying_axes(leaf)
-        if missing == {config.inner_axis}:
-            outer, inner = config.axis_name, config.inner_axis
-            raise ValueError(
-                f"{_API}: got a gradient of shape {leaf.shape} that is local "
-                f"over {outer!r} but already summed over the inner axis "
-                f"{inner!r}: the local gradients were taken over {outer!r} "
-                f"only. With hierarchical SkipReduce pass axis_name=({outer!r}, "
-                f"{inner!r}) to make_train_step, init_opt_state, shard_batch, "
-                "state_specs and local_grad / local_value_and_grad.")
-        if missing:
-            raise ValueError(
-                f"{_API}: got a gradient of shape {leaf.shape} that is "
-                f"replicated (invariant) over {sorted(missing)}: it was already "
-                "reduced. Usually autodiff summed it, because the params were "
-                "replicated inside shard_map; reducing again would "
-                "double-count. Compute local gradients with "
-                "skipreduce_jax.local_grad / local_value_and_grad (they cast "
-                "params to varying first), or jax.grad(loss)(lax.pcast(params, "
-                "axis, to='varying'), ...). It can also come from replicated "
-                "optimizer state, e.g. optax.MultiSteps' accumulated gradients "
-                "around skip_reduce: accumulate local gradients before "
-                "skip_reduce instead (make_train_step(..., microbatches=m)).")
-
-
 def _update(config: _Config, updates: Any, state: SkipReduceState,
             params: Any) -> tuple[Any, SkipReduceState]:
-    n = coll.axis_size(config.axis_name, api=_API)
-    if config.inner_axis is not None:
-        coll.axis_size(config.inner_axis, api=_API, argument="inner_axis")
+    n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
     num_skip = config.resolve_num_skip(n)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
-    _check_local(leaves, config)
+    check_local(leaves, config.axis_name, config.inner_axis, api=_API)
     skippable = config.skippable(updates, params)
     if num_skip > 0 and leaves and not any(skippable):
         warnings.warn(
@@ -541,114 +399,3 @@ def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
                 "use the same seed and settings and restore the same state.")
 
     jax.debug.callback(check, *agree, state.count)
-
-
-class CommStats(NamedTuple):
-    """What one step of :func:`skip_reduce` costs in communication.
-
-    Attributes:
-      num_skip: k for this axis size.
-      bytes_per_device: bytes each device sends per step (over ``axis_name``).
-      full_bytes_per_device: the same for a full ring all-reduce of every leaf.
-      ratio: ``bytes_per_device / full_bytes_per_device``.
-      dropped_fraction: the fraction of all (rank, element) contributions that
-        are dropped per step.
-      skipped_elements: gradient elements that go through SkipReduce.
-      total_elements: all gradient elements.
-    """
-
-    num_skip: int
-    bytes_per_device: float
-    full_bytes_per_device: float
-    ratio: float
-    dropped_fraction: float
-    skipped_elements: int
-    total_elements: int
-
-
-def comm_stats(
-    grads: Any,
-    axis_size: int,
-    *,
-    params: Any = None,
-    **skip_reduce_kwargs: Any,
-) -> CommStats:
-    """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
-
-    Counts ring traffic (a full all-reduce sends 2(N-1)/N of the buffer per
-    device; SkipReduce (2(N-1)-k)/N of the padded buffer) once the warm-up
-    is over (the ``warmup_steps`` full all-reduces are not counted). With
-    ``inner_axis`` it counts traffic over ``axis_name`` only, on the 1/L
-    shards (pass ``inner_size=L``).
-
-    Args:
-      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
-        gradients.
-      axis_size: N, the size of ``axis_name``.
-      params: passed to a callable ``selective`` (required then).
-      **skip_reduce_kwargs: the arguments of :func:`skip_reduce`, and
-        ``inner_size`` (L, the size of ``inner_axis``; required with it).
-
-    Returns:
-      :class:`CommStats`.
-
-    Example:
-      >>> stats = comm_stats(params, 8, num_skip=4, min_size=0)
-      >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding
-      0.714
-    """
-    api = "comm_stats"
-    inner = skip_reduce_kwargs.pop("inner_size", None)
-    try:
-        args = inspect.signature(skip_reduce).bind(
-            skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
-    except TypeError as e:
-        raise TypeError(f"{api}: {e}; it takes the keyword arguments of "
-                        "skip_reduce, inner_size and params.") from None
-    args.apply_defaults()
-    config = _make_config(**args.arguments)
-    for name, value in (("axis_size", axis_size),
-                        ("inner_size", 1 if inner is None else inner)):
-        if isinstance(value, bool) or not isinstance(
-                value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{api}: {name}={value!r} must be an int >= 1.")
-    if (config.inner_axis is None and inner not in (None, 1)) or (
-            config.inner_axis is not None and inner is None):
-        raise ValueError(
-            f"{api}: pass inner_axis and inner_size together (got inner_axis="
-            f"{config.inner_axis!r}, inner_size={inner!r}): the traffic over "
-            "axis_name is counted on shards of 1/inner_size of each leaf.")
-    if callable(config.selective) and not isinstance(
-            config.selective, PathSelector) and params is None:
-        raise ValueError(f"{api}: selective is a callable of the params; pass "
-                         "them as comm_stats(..., params=params).")
-    inner = 1 if inner is None else int(inner)
-    n = int(axis_size)
-    k = config.resolve_num_skip(n)
-    leaves = jax.tree_util.tree_leaves(grads)
-    # With k = 0 every leaf takes the plain pmean, as in update().
-    skippable = [s and k > 0 for s in config.skippable(grads, params)]
-    sizes = [math.prod(np.shape(x)) for x in leaves]
-    full_bytes = sum(s * np.dtype(x.dtype).itemsize
-                     for s, x in zip(sizes, leaves)) / inner
-    ring = 2 * (n - 1) / n
-    picked = [x for x, s in zip(leaves, skippable) if s]
-    plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
-                        bucket_bytes=config.bucket_bytes,
-                        chunks_per_rank=config.chunks_per_rank)
-    # The reduce-scatter sends accumulate_dtype, the gather the leaves' own.
-    def summed(dtype):
-        return coll.summed_dtype(dtype, config.accumulate_dtype).itemsize
-
-    skip_sent = sum(
-        ((n - 1 - k) * summed(b.dtype) + (n - 1) * b.dtype.itemsize)
-        / n * b.padded_size for b in plan.buckets) / inner
-    rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
-                     zip(sizes, leaves, skippable) if not ok) / inner
-    sent = skip_sent + ring * rest_bytes
-    skipped = sum(s for s, ok in zip(sizes, skippable) if ok)
-    total = sum(sizes)
-    # One rank (N = 1) sends nothing, with or without skipping.
-    return CommStats(k, sent, ring * full_bytes,
-                     sent / (ring * full_bytes) if ring * full_bytes else 1.0,
-                     k / n * skipped / total if total else 0.0, skipped, total)

@@ -1,0 +1,232 @@
+"""Argument checks, one place for every public function.
+
+Each check names the function (``api``), the argument, what was passed and
+what is allowed, and returns the value as a plain Python type, so that equal
+settings compare (and fingerprint) equal. Booleans are never accepted as
+ints, nor ints as booleans.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+
+def _prefix(api: str | None) -> str:
+    return f"{api}: " if api else ""
+
+
+def check_bool(value: Any, name: str, *, api: str | None = None,
+               meaning: str = "") -> bool:
+    """``value`` as a bool; refuses anything that is not a (numpy) bool.
+
+    Args:
+      value: what the caller passed.
+      name: the argument's name.
+      api: the public function, named first in the message.
+      meaning: what True means, e.g. ``"True: multiply by N / (N - k)"``.
+
+    Returns:
+      ``bool(value)``.
+
+    Example:
+      >>> check_bool(True, "rescale", api="skip_psum")
+      True
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        extra = f" ({meaning})" if meaning else ""
+        raise TypeError(f"{_prefix(api)}{name}={value!r} must be a bool{extra}.")
+    return bool(value)
+
+
+def check_int(value: Any, name: str, *, api: str | None = None,
+              minimum: int | None = None, maximum: int | None = None,
+              allow_none: bool = False,
+              type_error: type[Exception] = TypeError,
+              allowed: str = "", what: str = "") -> int | None:
+    """``value`` as an int in ``[minimum, maximum]``.
+
+    Args:
+      value: what the caller passed (a Python or numpy integer).
+      name: the argument's name.
+      api: the public function, named first in the message.
+      minimum: the smallest allowed value (None: no bound).
+      maximum: the largest allowed value (None: no bound).
+      allow_none: accept None (returned as None).
+      type_error: the exception raised for a value that is not an int
+        (ValueError where a caller's tests and users expect it); a value out
+        of range raises ValueError.
+      allowed: what the message says is allowed (default: from the bounds,
+        e.g. "a non-negative int").
+      what: appended to the message, e.g. what None means.
+
+    Returns:
+      ``int(value)``, or None.
+
+    Example:
+      >>> check_int(3, "min_size", api="skip_reduce", minimum=0)
+      3
+    """
+    if value is None and allow_none:
+        return None
+    ok = not isinstance(value, (bool, np.bool_))
+    if ok:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            ok = False
+    in_range = ok and (minimum is None or number >= minimum) and (
+            maximum is None or number <= maximum)
+    if in_range:
+        return int(number)
+    if allowed:
+        pass
+    elif minimum is not None and maximum is not None:
+        allowed = f"an int in [{minimum}, {maximum}]"
+    elif minimum == 1:
+        allowed = "a positive int"
+    elif minimum == 0:
+        allowed = "a non-negative int"
+    elif minimum is not None:
+        allowed = f"an int >= {minimum}"
+    else:
+        allowed = "an int"
+    if allow_none and "None" not in allowed:
+        allowed += " or None"
+    error = ValueError if ok else type_error
+    raise error(f"{_prefix(api)}{name}={value!r} must be {allowed}"
+                f"{' ' + what if what else ''}.")
+
+
+def check_real(value: Any, name: str, *, api: str | None = None,
+               minimum: float | None = 0.0, maximum: float | None = None,
+               positive: bool = False) -> float:
+    """``value`` as a finite float in ``[minimum, maximum]``.
+
+    Args:
+      value: what the caller passed (any real number, not a bool).
+      name: the argument's name.
+      api: the public function, named first in the message.
+      minimum: the smallest allowed value (None: no bound).
+      maximum: the largest allowed value (None: no bound).
+      positive: also refuse zero.
+
+    Returns:
+      ``float(value)``.
+
+    Example:
+      >>> check_real(0.5, "skip_ratio", maximum=1.0)
+      0.5
+    """
+    prefix = _prefix(api)
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{prefix}{name} must be a real number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{prefix}{name} must be a real number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{prefix}{name} must be finite, got {value!r}")
+    if positive and not number > 0:
+        raise ValueError(f"{prefix}{name} must be > 0, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{prefix}{name} must be >= {minimum:g}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{prefix}{name} must be <= {maximum:g}, got {value!r}")
+    return number
+
+
+def check_choice(value: Any, name: str, choices: dict[str, str], *,
+                 api: str | None = None) -> str:
+    """``value`` if it is one of ``choices`` (a name -> meaning mapping).
+
+    Example:
+      >>> check_choice("ring", "gather", {"native": "", "ring": ""})
+      'ring'
+    """
+    if not isinstance(value, str) or value not in choices:
+        options = " or ".join(
+            f"{c!r}" + (f" ({meaning})" if meaning else "")
+            for c, meaning in choices.items())
+        raise ValueError(f"{_prefix(api)}{name}={value!r} must be {options}.")
+    return value
+
+
+def check_num_skip(num_skip: Any, n: int, *, api: str | None = None,
+                   n_name: str = "an axis") -> int:
+    """Checks that ``num_skip`` is a Python int in ``[0, n - 1]``.
+
+    Args:
+      num_skip: k, the reduce-scatter steps to skip.
+      n: the number of ranks.
+      api: the public function, named first in the message.
+      n_name: what ``n`` is, for the message (``"an axis"``, ``"n"``).
+
+    Returns:
+      ``int(num_skip)``.
+
+    Example:
+      >>> check_num_skip(4, 8)
+      4
+    """
+    prefix = _prefix(api)
+    if isinstance(num_skip, (bool, np.bool_)) or not isinstance(
+            num_skip, (int, np.integer)):
+        raise TypeError(
+            f"{prefix}num_skip={num_skip!r} must be a Python int (the number "
+            f"of reduce-scatter steps to skip), in [0, {n - 1}] for "
+            f"{n_name} of size {n}.")
+    if not 0 <= num_skip <= n - 1:
+        raise ValueError(
+            f"{prefix}num_skip={num_skip} is outside [0, {n - 1}] for "
+            f"{n_name} of size {n}: at most N - 1 = {n - 1} reduce-scatter "
+            "steps exist.")
+    return int(num_skip)
+
+
+def check_axis_name(axis_name: Any, *, api: str, argument: str = "axis_name"
+                    ) -> str:
+    """Checks that ``axis_name`` is one mesh axis name (a str)."""
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{api}: {argument}={axis_name!r} must be the name (a str) of one "
+            "mesh axis.")
+    return axis_name
+
+
+def axis_size(axis_name: Any, *, api: str, argument: str = "axis_name") -> int:
+    """The size of a bound axis, with an error that says how to bind it."""
+    check_axis_name(axis_name, api=api, argument=argument)
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise NameError(
+            f"{api}: {argument}={axis_name!r} is not a bound axis. Call {api} "
+            f"inside jax.shard_map(f, mesh=mesh, ...) whose mesh has an axis "
+            f"named {axis_name!r}.") from e
+
+
+def axes_pair(axis_name: Any, inner_axis: Any, *, api: str) -> tuple[int, int]:
+    """Sizes ``(N, L)`` of the bound outer and inner axes (L = 1 without one).
+
+    Refuses an ``inner_axis`` that is also ``axis_name``.
+    """
+    n = axis_size(axis_name, api=api)
+    if inner_axis is None:
+        return n, 1
+    check_distinct_axes(axis_name, inner_axis, api=api)
+    return n, axis_size(inner_axis, api=api, argument="inner_axis")
+
+
+def check_distinct_axes(axis_name: Any, inner_axis: Any, *, api: str) -> None:
+    """Refuses hierarchical settings that name one axis twice."""
+    if inner_axis is not None and inner_axis == axis_name:
+        raise ValueError(
+            f"{api}: inner_axis={inner_axis!r} is also axis_name. Name two "
+            "different mesh axes: axis_name the slow (skipped) one, inner_axis "
+            "the fast one.")

@@ -1,0 +1,91 @@
+"""The per-rank protocol shared by ``skip_reduce`` and ``skipreduce_jax.contrib``.
+
+Gradient transformations that replace the data-parallel all-reduce take each
+rank's LOCAL gradients, and some keep state that differs per rank (error
+feedback). The protocol:
+
+- :func:`check_local` refuses gradients that autodiff already summed;
+- a NamedTuple state names its per-rank fields in a ``per_rank_fields``
+  class attribute; each leaf there has a leading axis of size 1 inside
+  ``shard_map`` (one row per rank, stacked along the data axis outside);
+- :func:`per_rank_zeros` builds such a leaf, typed varying when it can be;
+- ``state_specs`` / ``init_opt_state`` place those fields with
+  :func:`per_rank_fields` and :func:`per_rank_leaves`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
+
+
+def check_local(leaves: Sequence[jax.Array], axis_name: str,
+                inner_axis: str | None = None, *, api: str) -> None:
+    """Refuses gradients that autodiff already summed over the data axes.
+
+    Under ``check_vma=False`` the types cannot tell, and nothing is checked.
+    """
+    if not vma_checked(axis_name):
+        return
+    axes = {axis_name} | ({inner_axis} if inner_axis else set())
+    for leaf in leaves:
+        missing = axes - varying_axes(leaf)
+        if inner_axis is not None and missing == {inner_axis}:
+            raise ValueError(
+                f"{api}: got a gradient of shape {leaf.shape} that is local "
+                f"over {axis_name!r} but already summed over the inner axis "
+                f"{inner_axis!r}: the local gradients were taken over "
+                f"{axis_name!r} only. With hierarchical SkipReduce pass "
+                f"axis_name=({axis_name!r}, {inner_axis!r}) to make_train_step, "
+                "init_opt_state, shard_batch, state_specs and local_grad / "
+                "local_value_and_grad.")
+        if missing:
+            raise ValueError(
+                f"{api}: got a gradient of shape {leaf.shape} that is "
+                f"replicated (invariant) over {sorted(missing)}: it was already "
+                "reduced. Usually autodiff summed it, because the params were "
+                "replicated inside shard_map; reducing again would "
+                "double-count. Compute local gradients with "
+                "skipreduce_jax.local_grad / local_value_and_grad (they cast "
+                "params to varying first), or jax.grad(loss)(lax.pcast(params, "
+                "axis, to='varying'), ...). It can also come from replicated "
+                "optimizer state, e.g. optax.MultiSteps' accumulated gradients "
+                "around skip_reduce: accumulate local gradients before "
+                "skip_reduce instead (make_train_step(..., microbatches=m)).")
+
+
+def per_rank_zeros(shape: Sequence[int], dtype: Any, axes: tuple[str, ...]
+                   ) -> jax.Array:
+    """Zeros of ``(1, *shape)``: one rank's row of a per-rank state leaf.
+
+    Typed varying over ``axes`` inside a ``shard_map`` with
+    ``check_vma=True``; plain zeros elsewhere (``tx.init`` outside
+    ``shard_map``, ``jax.eval_shape``).
+    """
+    zeros = jnp.zeros((1,) + tuple(shape), dtype)
+    try:
+        checked = vma_checked(axes[0])
+    except NameError:  # outside shard_map: nothing to type
+        return zeros
+    return cast_varying(zeros, axes) if checked else zeros
+
+
+def per_rank_fields(node: Any) -> tuple[str, ...]:
+    """The per-rank field names a NamedTuple state declares (else ``()``)."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return tuple(getattr(type(node), "per_rank_fields", ()))
+    return ()
+
+
+def per_rank_leaves(opt_state: Any) -> Iterator[tuple[str, Any]]:
+    """``(field name, leaf)`` for every leaf of every per-rank field."""
+    nodes = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda n: bool(per_rank_fields(n)))
+    for node in nodes:
+        for name in per_rank_fields(node):
+            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
+                yield name, leaf

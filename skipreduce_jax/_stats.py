@@ -1,0 +1,132 @@
+"""``comm_stats``: what one step of ``skip_reduce`` sends, from the formulas.
+
+It plans the same buckets ``skip_reduce`` would (padding included) and
+counts them with the one set of traffic formulas in ``_traffic.py``; the
+tests check it against the bytes read from compiled programs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from skipreduce_jax import _checks as checks
+from skipreduce_jax import _traffic as traffic
+from skipreduce_jax._buckets import plan_buckets
+from skipreduce_jax._collectives import summed_dtype
+from skipreduce_jax._selection import needs_params
+from skipreduce_jax._transform import _make_config, skip_reduce
+
+
+class CommStats(NamedTuple):
+    """What one step of :func:`skip_reduce` costs in communication.
+
+    Attributes:
+      num_skip: k for this axis size.
+      bytes_per_device: bytes each device sends per step (over ``axis_name``).
+      full_bytes_per_device: the same for a full ring all-reduce of every leaf.
+      ratio: ``bytes_per_device / full_bytes_per_device``.
+      dropped_fraction: the fraction of all (rank, element) contributions that
+        are dropped per step.
+      skipped_elements: gradient elements that go through SkipReduce.
+      total_elements: all gradient elements.
+    """
+
+    num_skip: int
+    bytes_per_device: float
+    full_bytes_per_device: float
+    ratio: float
+    dropped_fraction: float
+    skipped_elements: int
+    total_elements: int
+
+
+def comm_stats(
+    grads: Any,
+    axis_size: int,
+    *,
+    params: Any = None,
+    **skip_reduce_kwargs: Any,
+) -> CommStats:
+    """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
+
+    Counts ring traffic (a full all-reduce sends 2(N-1)/N of the buffer per
+    device; SkipReduce (2(N-1)-k)/N of the padded buffer) once the warm-up
+    is over (the ``warmup_steps`` full all-reduces are not counted). With
+    ``inner_axis`` it counts traffic over ``axis_name`` only, on the 1/L
+    shards (pass ``inner_size=L``).
+
+    Args:
+      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
+        gradients.
+      axis_size: N, the size of ``axis_name``.
+      params: passed to a callable ``selective`` (required then).
+      **skip_reduce_kwargs: the arguments of :func:`skip_reduce`, and
+        ``inner_size`` (L, the size of ``inner_axis``; required with it).
+
+    Returns:
+      :class:`CommStats`.
+
+    Example:
+      >>> stats = comm_stats(params, 8, num_skip=4, min_size=0)
+      >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding
+      0.714
+    """
+    api = "comm_stats"
+    inner = skip_reduce_kwargs.pop("inner_size", None)
+    try:
+        args = inspect.signature(skip_reduce).bind(
+            skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
+    except TypeError as e:
+        raise TypeError(f"{api}: {e}; it takes the keyword arguments of "
+                        "skip_reduce, inner_size and params.") from None
+    args.apply_defaults()
+    config = _make_config(**args.arguments)
+    for name, value in (("axis_size", axis_size),
+                        ("inner_size", 1 if inner is None else inner)):
+        checks.check_int(value, name, api=api, minimum=1,
+                         type_error=ValueError)
+    if (config.inner_axis is None and inner not in (None, 1)) or (
+            config.inner_axis is not None and inner is None):
+        raise ValueError(
+            f"{api}: pass inner_axis and inner_size together (got inner_axis="
+            f"{config.inner_axis!r}, inner_size={inner!r}): the traffic over "
+            "axis_name is counted on shards of 1/inner_size of each leaf.")
+    if needs_params(config.selective) and params is None:
+        raise ValueError(f"{api}: selective is a callable of the params; pass "
+                         "them as comm_stats(..., params=params).")
+    inner = 1 if inner is None else int(inner)
+    n = int(axis_size)
+    k = config.resolve_num_skip(n)
+    leaves = jax.tree_util.tree_leaves(grads)
+    # With k = 0 every leaf takes the plain pmean, as in update().
+    skippable = [s and k > 0 for s in config.skippable(grads, params)]
+    sizes = [math.prod(np.shape(x)) for x in leaves]
+    full_bytes = sum(s * np.dtype(x.dtype).itemsize
+                     for s, x in zip(sizes, leaves)) / inner
+    picked = [x for x, s in zip(leaves, skippable) if s]
+    plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
+                        bucket_bytes=config.bucket_bytes,
+                        chunks_per_rank=config.chunks_per_rank)
+
+    def summed(dtype):
+        return summed_dtype(dtype, config.accumulate_dtype).itemsize
+
+    # The reduce-scatter sends the summed dtype, the gather the leaves' own.
+    skip_sent = sum(
+        traffic.reduce_scatter_bytes(b.padded_size * summed(b.dtype), n, k)
+        + traffic.all_gather_bytes(b.padded_size * b.dtype.itemsize, n)
+        for b in plan.buckets) / inner
+    rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
+                     zip(sizes, leaves, skippable) if not ok) / inner
+    sent = skip_sent + traffic.ring_allreduce_bytes(rest_bytes, n)
+    full = traffic.ring_allreduce_bytes(full_bytes, n)
+    skipped = sum(s for s, ok in zip(sizes, skippable) if ok)
+    total = sum(sizes)
+    # One rank (N = 1) sends nothing, with or without skipping.
+    return CommStats(k, sent, full, sent / full if full else 1.0,
+                     k / n * skipped / total if total else 0.0, skipped, total)

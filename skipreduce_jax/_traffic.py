@@ -1,0 +1,154 @@
+"""Bytes each device sends: the one set of traffic formulas.
+
+A ring over N ranks moves a buffer of B bytes in pieces of B / N:
+
+- reduce-scatter with k of its N - 1 steps skipped: (N - 1 - k) B / N,
+- all-gather: (N - 1) B / N,
+- all-reduce (both): (2 (N - 1) - k) B / N; k = 0 is the full ring.
+
+``comm_stats``, the cost model, the benchmarks and the baselines' byte
+counts all use these functions (the reduce-scatter and the gather may send
+different dtypes, so they are counted apart where that matters).
+"""
+
+from __future__ import annotations
+
+from skipreduce_jax._checks import check_int, check_num_skip, check_real
+
+
+def _checked(nbytes: float, n: int, num_skip: int, n_name: str = "n"
+             ) -> tuple[float, int, int]:
+    n = check_int(n, n_name, minimum=1)
+    k = check_num_skip(num_skip, n, n_name=n_name)
+    return check_real(nbytes, "nbytes"), n, k
+
+
+def skipreduce_steps(n: int, num_skip: int = 0) -> int:
+    """Counts the sequential steps of SkipReduce (``num_skip = 0``: ring all-reduce).
+
+    Args:
+      n: Number of ranks, ``>= 1``.
+      num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
+
+    Returns:
+      ``2 * (n - 1) - num_skip``.
+
+    Example:
+      >>> skipreduce_steps(8), skipreduce_steps(8, 7)
+      (14, 7)
+    """
+    _, n, k = _checked(0, n, num_skip)
+    return 2 * (n - 1) - k
+
+
+def reduce_scatter_bytes(nbytes: float, n: int, num_skip: int = 0) -> float:
+    """Bytes each rank sends in a ring reduce-scatter that skips ``num_skip`` steps.
+
+    Args:
+      nbytes: Buffer size per rank in bytes (of the dtype that is sent).
+      n: Number of ranks, ``>= 1``.
+      num_skip: Skipped steps, in ``[0, n - 1]``.
+
+    Returns:
+      ``(n - 1 - num_skip) * nbytes / n``.
+
+    Example:
+      >>> reduce_scatter_bytes(800, 8, 3)
+      400.0
+    """
+    b, n, k = _checked(nbytes, n, num_skip)
+    return (n - 1 - k) * b / n
+
+
+def all_gather_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-gather of an ``nbytes`` result.
+
+    Example:
+      >>> all_gather_bytes(800, 8)
+      700.0
+    """
+    b, n, _ = _checked(nbytes, n, 0)
+    return (n - 1) * b / n
+
+
+def skipreduce_bytes(nbytes: float, n: int, num_skip: int) -> float:
+    """Bytes each rank sends in SkipReduce with ``num_skip`` skipped steps.
+
+    Args:
+      nbytes: Buffer size per rank in bytes, ``>= 0``.
+      n: Number of ranks, ``>= 1``.
+      num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
+
+    Returns:
+      ``(2 * (n - 1) - num_skip) * nbytes / n``.
+
+    Example:
+      >>> skipreduce_bytes(800, 8, 3)
+      1100.0
+      >>> skipreduce_bytes(800, 8, 7)  # all-gather only
+      700.0
+    """
+    return reduce_scatter_bytes(nbytes, n, num_skip) + all_gather_bytes(nbytes, n)
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce.
+
+    Args:
+      nbytes: Buffer size per rank in bytes, ``>= 0``.
+      n: Number of ranks, ``>= 1``.
+
+    Returns:
+      ``2 * (n - 1) / n * nbytes``.
+
+    Example:
+      >>> ring_allreduce_bytes(800, 8)
+      1400.0
+    """
+    return skipreduce_bytes(nbytes, n, 0)
+
+
+def traffic_fraction(n: int, num_skip: int) -> float:
+    """Fraction of ring all-reduce traffic that SkipReduce sends.
+
+    Args:
+      n: Number of ranks, ``>= 1`` (``n = 1`` gives 1.0: nothing to save).
+      num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
+
+    Returns:
+      ``(2 * (n - 1) - num_skip) / (2 * (n - 1))``, between 0.5 and 1.
+
+    Example:
+      >>> traffic_fraction(8, 7)
+      0.5
+      >>> traffic_fraction(5, 2)
+      0.75
+    """
+    steps = skipreduce_steps(n, num_skip)
+    if n == 1:
+        return 1.0
+    return steps / (2 * (n - 1))
+
+
+def hierarchical_bytes(nbytes: float, n_outer: int, n_inner: int, num_skip: int
+                       ) -> tuple[float, float]:
+    """Bytes each device sends on each axis in hierarchical SkipReduce.
+
+    Args:
+      nbytes: Buffer size per device in bytes, ``>= 0``.
+      n_outer: Size of the slow outer axis (hosts), ``>= 1``.
+      n_inner: Size of the fast inner axis (devices per host), ``>= 1``.
+      num_skip: Skipped outer reduce-scatter steps, in ``[0, n_outer - 1]``.
+
+    Returns:
+      ``(inner_bytes, outer_bytes)``: ``2 * (L - 1) / L * nbytes`` for the
+      inner reduce-scatter plus all-gather, and
+      ``(2 * (N - 1) - num_skip) * nbytes / (L * N)`` for the outer SkipReduce.
+
+    Example:
+      >>> hierarchical_bytes(800, 4, 2, 0)
+      (800.0, 600.0)
+    """
+    b, n_outer, k = _checked(nbytes, n_outer, num_skip, "n_outer")
+    n_inner = check_int(n_inner, "n_inner", minimum=1)
+    return ring_allreduce_bytes(b, n_inner), skipreduce_bytes(b / n_inner, n_outer, k)
