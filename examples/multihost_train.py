@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(f"final test accuracy ({name}): {acc:.4f}")
     log(f"bytes per device per step: {stats.bytes_per_device:,.0f} "
         f"(full all-reduce {stats.full_bytes_per_device:,.0f}; "
-        f"{stats.dropped_fraction:.1%} of contributions dropped)")
+        f"{stats.left_out_fraction:.1%} of contributions left out)")
 
 
 if __name__ == "__main__":

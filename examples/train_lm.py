@@ -487,7 +487,7 @@ def results_table(report: dict[str, Any]) -> str:
         rows.append([
             r["label"], f"{r['final_val_loss']:.4f}", f"{r['bits_per_byte']:.4f}",
             delta, f"{comm['num_skip']}", f"{comm['bytes_per_device'] / 1e6:.3f}",
-            f"{comm['ratio']:.3f}", f"{comm['dropped_fraction']:.3f}",
+            f"{comm['ratio']:.3f}", f"{comm['left_out_fraction']:.3f}",
             f"{r['step_ms']:.0f}", f"{r['seconds']:.1f}",
             f"{r['cpu_seconds']:.1f}"])
     headers = ["variant", "val loss", "bits/byte", "vs all-reduce", "k",

@@ -202,11 +202,11 @@ def _reduce(
     accumulate_dtype: Any,
     gather: _ring.Gather,
     api: str,
-    dropped: bool = False,
+    with_left_out: bool = False,
 ) -> Any:
     """The shared body of the public reductions.
 
-    With ``dropped=True`` it returns ``(result, left_out)``: ``left_out`` holds
+    With ``with_left_out=True`` it returns ``(result, left_out)``: ``left_out`` holds
     this rank's values that the schedule leaves out of the sum (zero where
     they are summed), shaped like ``tree``, i.e. ``tree * ~contribution_mask``.
     It is computed on the packed buffers (see :func:`_left_out`).
@@ -226,7 +226,7 @@ def _reduce(
     outputs, left_out = [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
-        if dropped:
+        if with_left_out:
             left_out.append(_left_out(buffer, schedule, axis_name, inner))
         acc_dtype = summed_dtype(bucket.dtype, accumulate_dtype)
         if inner_axis is not None:
@@ -256,7 +256,7 @@ def _reduce(
         return cast_varying(zeros, tuple(sorted(varying_axes(leaf) - reduced)))
 
     result = plan.unpack(outputs, fill=summed_zeros)
-    if not dropped:
+    if not with_left_out:
         return result
     return result, plan.unpack(left_out, fill=lambda i: jnp.zeros_like(leaves[i]))
 
@@ -382,7 +382,7 @@ def skip_psum(
     sends (2(N-1) - k) / (2(N-1)) of a full ring all-reduce. With
     ``randomize=True`` the shared ``key`` picks, per sub-chunk, which slice of
     the buffer rides in which ring chunk, so each rank's value of each element
-    is dropped with probability k / N; the send pattern never changes.
+    is left out with probability k / N; the send pattern never changes.
 
     Args:
       x: a pytree of floating-point arrays (each rank's local values).
@@ -393,7 +393,7 @@ def skip_psum(
         over the axis is refused at trace time under ``check_vma=True``;
         with ``check_vma=False`` JAX's types cannot tell.
       num_skip: k, a Python int in [0, N - 1].
-      randomize: False is static SkipReduce: the same k ranks are dropped
+      randomize: False is static SkipReduce: the same k ranks are left out
         for a given element whatever the key (biased; for comparison).
       rescale: multiply by N / (N - k), an unbiased estimate of the psum when
         ``randomize=True``.
@@ -416,8 +416,12 @@ def skip_psum(
     Example:
       >>> def f(g):
       ...   return skip_psum(g, "data", key=jax.random.key(0), num_skip=4)
+      >>> grads = jax.device_put(jnp.ones((8, 64)),  # row r: rank r's
+      ...                        NamedSharding(mesh, P("data")))
       >>> out = jax.shard_map(f, mesh=mesh, in_specs=P("data"),
       ...                     out_specs=P())(grads)
+      >>> out.shape, float(out[0, 0])  # every element sums N - k = 4 ranks
+      ((1, 64), 4.0)
     """
     api = "skip_psum"
     _check_floating(jax.tree_util.tree_leaves(x), api)
@@ -497,10 +501,15 @@ def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
       every rank, ``left_out`` is this rank's own.
 
     Example:
-      >>> def f(g):  # inside jax.shard_map over "data"
+      >>> def f(g):
       ...     mean, left_out = skip_pmean_and_left_out(
       ...         g, "data", key=jax.random.key(0), num_skip=1)
-      ...     return mean, left_out  # keep left_out, add it to the next g
+      ...     return mean, left_out  # add left_out to the next step's g
+      >>> g = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("data")))
+      >>> mean, left_out = jax.shard_map(
+      ...     f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))(g)
+      >>> float(mean[0, 0]), float(left_out.sum())  # 1 of 8 ranks left out
+      (1.0, 64.0)
     """
     api = "skip_pmean_and_left_out"
     try:
@@ -508,7 +517,7 @@ def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
     except TypeError as e:
         raise TypeError(f"{api}: {e}; it takes the arguments of skip_pmean."
                         ) from None
-    return _pmean(**args.arguments, api=api, dropped=True)
+    return _pmean(**args.arguments, api=api, with_left_out=True)
 
 
 # help() and IDEs show skip_pmean's parameters.
@@ -521,7 +530,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            inner_axis: str | None = None, chunks_per_rank: int | None = None,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
-           api: str, dropped: bool = False) -> Any:
+           api: str, with_left_out: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -531,7 +540,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, dropped=dropped)
+        gather=gather, api=api, with_left_out=with_left_out)
 
 
 def contribution_mask(

@@ -101,7 +101,10 @@ def check_replicated(tree: Any, axis_name: str | tuple[str, ...]) -> jax.Array:
       A bool scalar, typed replicated.
 
     Example:
-      >>> ok = check_replicated(params, "data")
+      >>> f = jax.shard_map(lambda w: check_replicated(w, "data"), mesh=mesh,
+      ...                   in_specs=P(), out_specs=P())
+      >>> bool(f(jnp.ones(4)))
+      True
     """
     flags = jax.tree_util.tree_leaves(leaf_agreement(tree, axis_name))
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)

@@ -15,8 +15,8 @@ received from rank ``r - 1``. After ``T`` steps rank ``r`` holds ring chunk
         and drops the contributions of     c+1, ..., c+k       (k ranks, mod N)
 
 With uniform random offsets, a slot's ring chunk is uniform over ``0..N-1``,
-so every rank's contribution to every element is dropped with probability
-``k / N``, while the send/receive pattern never changes. The dropped ranks of
+so every rank's contribution to every element is left out with probability
+``k / N``, while the send/receive pattern never changes. The left-out ranks of
 one element are always ``k`` neighbours on the ring; only which neighbours
 changes from key to key.
 
@@ -46,7 +46,7 @@ def default_chunks_per_rank(slot_elements: int) -> int:
 
     About one per ``MIN_SUBCHUNK_ELEMENTS`` elements of the slot, at least 1
     and at most ``MAX_CHUNKS_PER_RANK``, so that one slot's elements are not
-    dropped together.
+    left out together.
 
     Args:
         slot_elements: elements in one of the N ring slots.

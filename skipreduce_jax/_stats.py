@@ -30,8 +30,8 @@ class CommStats(NamedTuple):
       bytes_per_device: bytes each device sends per step (over ``axis_name``).
       full_bytes_per_device: the same for a full ring all-reduce of every leaf.
       ratio: ``bytes_per_device / full_bytes_per_device``.
-      dropped_fraction: the fraction of all (rank, element) contributions that
-        are dropped per step.
+      left_out_fraction: the fraction of all (rank, element) contributions
+        left out of the sum per step (``dropped_fraction`` is an alias).
       skipped_elements: gradient elements that go through SkipReduce.
       total_elements: all gradient elements.
     """
@@ -40,9 +40,14 @@ class CommStats(NamedTuple):
     bytes_per_device: float
     full_bytes_per_device: float
     ratio: float
-    dropped_fraction: float
+    left_out_fraction: float
     skipped_elements: int
     total_elements: int
+
+    @property
+    def dropped_fraction(self) -> float:
+        """Alias of ``left_out_fraction`` (its earlier name)."""
+        return self.left_out_fraction
 
 
 def comm_stats(
@@ -72,7 +77,8 @@ def comm_stats(
       :class:`CommStats`.
 
     Example:
-      >>> stats = comm_stats(params, 8, num_skip=4, min_size=0)
+      >>> grads = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+      >>> stats = comm_stats(grads, 8, num_skip=4, min_size=0)
       >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding
       0.714
     """

@@ -152,12 +152,12 @@ def skip_reduce(
         authors use 100k).
       warmup_steps: full all-reduce for the first steps, then skipping. Both
         paths are compiled once; ``lax.cond`` picks one per step.
-      error_feedback: keep, per rank, what skipping dropped from the local
+      error_feedback: keep, per rank, what skipping left out of the local
         gradient and add it to the next step's (beyond the paper). The
         residual lives in the state and varies over ``axis_name``; place it
         with :func:`state_specs`. A step whose update is not finite leaves
         every residual as it was, and a NaN or Inf left out of a finite
-        update is not kept, so a non-finite value is never carried into
+        update is not carried, so a non-finite value is never carried into
         later steps (with ``check_finite`` and ``optax.apply_if_finite``
         such a step is skipped whole).
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
@@ -172,7 +172,7 @@ def skip_reduce(
         gradient holds a NaN or Inf, every element of the update becomes NaN
         on every rank. Without it a non-finite value reaches only the
         elements where its rank was summed, and vanishes where it was
-        dropped. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
+        left out. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
         after ``skip_reduce`` (it then sees replicated values).
       verify_sync: debug: every step, compare the step count, key and
         settings across ranks (two all-reduces of a few words) and raise if
@@ -184,9 +184,18 @@ def skip_reduce(
 
     Example:
       >>> tx = optax.chain(skip_reduce("data", skip_ratio=0.5, min_size=0),
-      ...                  optax.adamw(1e-3))
-      >>> # inside jax.shard_map, with local gradients:
-      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      ...                  optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(64)}
+      >>> def step(params, local_grads):  # inside jax.shard_map
+      ...     opt_state = tx.init(params)  # usually carried across steps
+      ...     updates, opt_state = tx.update(local_grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates)
+      >>> ones = jax.device_put(jnp.ones(8 * 64), NamedSharding(mesh, P("data")))
+      >>> grads = {"w": ones}  # each rank's slice: its local gradient
+      >>> new = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+      ...                     out_specs=P())(params, grads)
+      >>> round(float(new["w"][0]), 6)  # minus lr times the mean of ones
+      -0.1
 
     References:
       Kasan, Abts, Choi, Kim. SkipReduce: (Interconnection) Network
@@ -319,9 +328,9 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
 
     def full(picked):
         out = _full_pmean(picked, axes, config.accumulate_dtype)
-        kept = ([jnp.zeros_like(g) for g in picked] if residuals is not None
-                else None)
-        return out, kept
+        left_out = ([jnp.zeros_like(g) for g in picked] if residuals is not None
+                    else None)
+        return out, left_out
 
     def skipped(picked):
         kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
@@ -335,12 +344,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         return coll.skip_pmean_and_left_out(picked, config.axis_name, **kw)
 
     if not picked or num_skip == 0:
-        reduced, kept = full(picked)
+        reduced, left_out = full(picked)
     elif config.warmup_steps > 0:
-        reduced, kept = lax.cond(state.count < config.warmup_steps, full,
+        reduced, left_out = lax.cond(state.count < config.warmup_steps, full,
                                  skipped, picked)
     else:
-        reduced, kept = skipped(picked)
+        reduced, left_out = skipped(picked)
 
     rest = _full_pmean([g for g, s in zip(leaves, skippable) if not s], axes,
                        config.accumulate_dtype)
@@ -356,11 +365,11 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # The update is identical on every rank, so every rank takes the same
         # branch: a non-finite update (to be skipped, e.g. by apply_if_finite)
         # leaves the residuals as they were; after a finite one, what was
-        # left out is kept, except non-finite values, which would come back
+        # left out becomes the residual, except non-finite values, which would come back
         # piece by piece in the steps after.
         applied = _all_finite(out)
-        kept_it = iter(kept)
-        new = [next(kept_it)[None] if s else r
+        left_out_it = iter(left_out)
+        new = [next(left_out_it)[None] if s else r
                for s, r in zip(skippable, residuals)]
         new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r)
                .astype(r.dtype) for x, r in zip(new, residuals)]

@@ -84,7 +84,7 @@ def _with_empty(restored: Any, like: Any) -> Any:
     """Puts back the zero-size leaves of ``like`` that ``_without_empty``
     left out, with their shape, dtype and sharding."""
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    kept = iter(jax.tree_util.tree_leaves(restored))
+    stored = iter(jax.tree_util.tree_leaves(restored))
 
     def empty(x):
         value = np.zeros(np.shape(x), x.dtype)
@@ -92,7 +92,7 @@ def _with_empty(restored: Any, like: Any) -> Any:
                                             lambda index: value[index])
 
     return jax.tree_util.tree_unflatten(
-        treedef, [empty(x) if np.size(x) == 0 else next(kept) for x in leaves])
+        treedef, [empty(x) if np.size(x) == 0 else next(stored) for x in leaves])
 
 
 def _rows(state: SkipReduceState) -> int | None:

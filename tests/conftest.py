@@ -1,14 +1,7 @@
-"""Test set-up: 8 simulated CPU devices, configured before JAX initialises."""
+"""Test set-up: the repository's conftest.py configures 8 simulated CPU devices."""
 
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
