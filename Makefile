@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo demo-lm demo-multihost bench bench-cluster \
+.PHONY: install lint test test-fast demo demo-lm demo-multihost bench bench-cluster \
         bench-tta clean
 
 $(STAMP): pyproject.toml
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, multi-process tests included (CI runs this).
+# Ruff's checks (pyproject.toml: [tool.ruff]); CI runs this first.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# The whole suite, docstring examples and multi-process tests included.
 test: $(STAMP)
 	$(PY) -m pytest -q
 
