@@ -41,10 +41,10 @@ twice: from the compiled program (``skipreduce_jax.collective_traffic``, the
 ring formulas applied to every collective of the jitted step, minus the
 step's own 8-byte loss/clock all-reduce; PowerSGD's is compiled without
 warm-up so that only the compressed path is counted) and from the formulas
-(``skipreduce_jax.comm_stats``, ``baselines.topk_comm_bytes``,
-``baselines.powersgd_comm_bytes``). Process 0 prints the table and writes
-``<name>.json`` and ``<name>.png`` (accuracy against training time) to
-``--out``. With ``--parts ROUNDS`` nothing is trained: each variant's whole
+(``skipreduce_jax.comm_stats``, ``skipreduce_jax.contrib.topk_comm_bytes``,
+``skipreduce_jax.contrib.powersgd_comm_bytes``). Process 0 prints the table
+and writes ``<name>.json`` and ``<name>.png`` (accuracy against training
+time) to ``--out``. With ``--parts ROUNDS`` nothing is trained: each variant's whole
 step and its reduction alone are timed instead (:func:`time_parts`), and
 ``<name>.json`` holds the medians.
 
@@ -94,12 +94,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax import distributed
+from skipreduce_jax import contrib, distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(ROOT))
-from benchmarks import baselines as bl  # noqa: E402
 
 AXIS = "data"
 NUM_CLASSES = 10
@@ -216,7 +213,7 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
     topk_kw = dict(density=args.density)
     psgd_kw = dict(rank=args.rank, warmup_steps=args.powersgd_warmup,
                    seed=args.seed)
-    topk_make = lambda: bl.topk_reduce(AXIS, **topk_kw)  # noqa: E731
+    topk_make = lambda: contrib.topk_reduce(AXIS, **topk_kw)  # noqa: E731
     specs = {
         "all-reduce": skip(num_skip=0, min_size=0),
         "random": skip(skip_ratio=ratio, min_size=0),
@@ -224,12 +221,12 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
         "selective": skip(skip_ratio=ratio, selective=sr.exclude("Dense_0")),
         "random+ef": skip(skip_ratio=ratio, min_size=0, error_feedback=True),
         "topk": (topk_make,
-                 lambda shapes, n: bl.topk_comm_bytes(shapes, n, **topk_kw),
+                 lambda shapes, n: contrib.topk_comm_bytes(shapes, n, **topk_kw),
                  topk_make),
         "powersgd": (
-            lambda: bl.powersgd_reduce(AXIS, **psgd_kw),
-            lambda shapes, n: bl.powersgd_comm_bytes(shapes, n, **psgd_kw),
-            lambda: bl.powersgd_reduce(AXIS, **{**psgd_kw, "warmup_steps": 0})),
+            lambda: contrib.powersgd_reduce(AXIS, **psgd_kw),
+            lambda shapes, n: contrib.powersgd_comm_bytes(shapes, n, **psgd_kw),
+            lambda: contrib.powersgd_reduce(AXIS, **{**psgd_kw, "warmup_steps": 0})),
     }
     return {name: Variant(name, *spec) for name, spec in specs.items()}
 

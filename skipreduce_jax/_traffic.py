@@ -6,9 +6,10 @@ A ring over N ranks moves a buffer of B bytes in pieces of B / N:
 - all-gather: (N - 1) B / N,
 - all-reduce (both): (2 (N - 1) - k) B / N; k = 0 is the full ring.
 
-``comm_stats``, the cost model, the benchmarks and the baselines' byte
-counts all use these functions (the reduce-scatter and the gather may send
-different dtypes, so they are counted apart where that matters).
+``comm_stats``, the cost model, the benchmarks and the byte counts of
+``skipreduce_jax.contrib`` all use these functions (the reduce-scatter and
+the gather may send different dtypes, so they are counted apart where that
+matters).
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""The top-k and PowerSGD baselines of benchmarks/baselines.py."""
-
-import pathlib
-import sys
+"""skipreduce_jax.contrib: top-k with error memory and PowerSGD."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import line_mesh, per_rank
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import line_mesh, per_rank
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import baselines as bl  # noqa: E402
+from skipreduce_jax import contrib
 
 N = 8
 
@@ -38,7 +33,7 @@ SHAPES = {"w": (24, 10), "b": (10,), "conv": (3, 3, 4, 8)}
 
 def test_topk_with_density_one_is_pmean():
     grads = _int_grads(0, SHAPES)
-    txs = [bl.topk_reduce("i", density=1.0, per_leaf=p) for p in (True, False)]
+    txs = [contrib.topk_reduce("i", density=1.0, per_leaf=p) for p in (True, False)]
 
     def f(local):
         results = [tx.update(local, tx.init(local)) for tx in txs]
@@ -46,7 +41,7 @@ def test_topk_with_density_one_is_pmean():
                 [state.memory for _, state in results])
 
     outs, mean, memories = per_rank(f, grads, n=N)
-    for out, memory in zip(outs, memories):
+    for out, memory in zip(outs, memories, strict=True):
         for key in grads:
             np.testing.assert_array_equal(out[key], mean[key])
             np.testing.assert_array_equal(memory[key], 0)
@@ -57,14 +52,14 @@ def test_topk_bookkeeping_loses_nothing():
     steps = 3
     per_step = [_int_grads(s, SHAPES) for s in range(steps)]
     stacked = {k: np.stack([g[k] for g in per_step], 1) for k in SHAPES}
-    tx = bl.topk_reduce("i", density=0.1, min_size=20)  # "b" goes dense
+    tx = contrib.topk_reduce("i", density=0.1, min_size=20)  # "b" goes dense
 
     def f(local):
         state = tx.init(jax.tree_util.tree_map(lambda x: x[0], local))
         outs = []
         for t in range(steps):
             out, state = tx.update(
-                jax.tree_util.tree_map(lambda x: x[t], local), state)
+                jax.tree_util.tree_map(lambda x, t=t: x[t], local), state)
             outs.append(out)
         delivered = jax.tree_util.tree_map(lambda *o: sum(o), *outs)
         return delivered, jax.tree_util.tree_map(lambda m: m[0], state.memory)
@@ -85,7 +80,7 @@ def test_topk_sends_the_largest_entries():
     g[:, 7] = 50.0
     g[:, 42] = -80.0
     g[:, 3] = np.arange(N)  # smaller than both
-    tx = bl.topk_reduce("i", density=0.02)  # k = 2
+    tx = contrib.topk_reduce("i", density=0.02)  # k = 2
 
     def f(local):
         out, state = tx.update(local, tx.init(local))
@@ -101,7 +96,7 @@ def test_topk_sends_the_largest_entries():
 def test_topk_outputs_are_replica_identical_with_random_floats():
     rng = np.random.default_rng(3)
     grads = {"w": rng.normal(size=(N, 300, 7)).astype(np.float32)}
-    tx = bl.topk_reduce("i", density=0.05, per_leaf=False)
+    tx = contrib.topk_reduce("i", density=0.05, per_leaf=False)
 
     def f(local):
         return tx.update(local, tx.init(local))[0]
@@ -112,13 +107,15 @@ def test_topk_outputs_are_replica_identical_with_random_floats():
 
 
 def test_topk_rejects_summed_gradients():
-    tx = bl.topk_reduce("i")
+    tx = contrib.topk_reduce("i")
 
     def f(local):
         summed = lax.psum(local, "i")  # invariant: already reduced
         return tx.update(summed, tx.init(summed))[0]
 
-    with pytest.raises(ValueError, match="replicated over 'i'"):
+    # The message shared with skip_reduce (skipreduce_jax._per_rank.check_local).
+    with pytest.raises(ValueError,
+                       match=r"^topk_reduce: .* replicated \(invariant\) over \['i'\]"):
         per_rank(f, np.ones((N, 16), np.float32), n=N)
 
 
@@ -134,7 +131,7 @@ def test_powersgd_warmup_is_pmean_then_recovers_rank_one():
     warm = 2
     noise = rng.normal(size=(warm, N, 40, 30)).astype(np.float32)
     bias = rng.normal(size=(N, 30)).astype(np.float32)
-    tx = bl.powersgd_reduce("i", rank=4, warmup_steps=warm)
+    tx = contrib.powersgd_reduce("i", rank=4, warmup_steps=warm)
 
     def f(noise, bias, m):
         params = {"b": bias, "m": m}
@@ -153,7 +150,7 @@ def test_powersgd_warmup_is_pmean_then_recovers_rank_one():
     local = (noise.transpose(1, 0, 2, 3), bias)
     outs, means, approx, error = per_rank(lambda a, m: f(*a, m), local, n=N,
                                           replicated_args=(rank_one,))
-    for out, mean in zip(outs, means):
+    for out, mean in zip(outs, means, strict=True):
         np.testing.assert_array_equal(out["m"], mean["m"])
         np.testing.assert_array_equal(out["b"], mean["b"])
     for r in range(N):
@@ -170,7 +167,7 @@ def test_powersgd_error_feedback_and_replica_identity():
     grads = {"m": rng.normal(size=(N, 64, 48)).astype(np.float32),
              "conv": rng.normal(size=(N, 3, 3, 16, 32)).astype(np.float32),
              "b": rng.normal(size=(N, 48)).astype(np.float32)}
-    tx = bl.powersgd_reduce("i", rank=2, warmup_steps=0)
+    tx = contrib.powersgd_reduce("i", rank=2, warmup_steps=0)
 
     def f(local):
         state = tx.init(local)
@@ -180,7 +177,7 @@ def test_powersgd_error_feedback_and_replica_identity():
 
     out, errors, out2, qs, mean = per_rank(f, grads, n=N)
     assert len(errors) == 2  # "m" and "conv" (as [144, 32]); "b" is 1-D
-    for key, error in zip(("conv", "m"), errors):  # leaves in sorted order
+    for key, error in zip(("conv", "m"), errors, strict=True):  # leaves in sorted order
         mean_error = error[:, 0].mean(0)
         np.testing.assert_allclose(out[key][0] + mean_error, mean[key][0],
                                    atol=1e-5)
@@ -220,29 +217,29 @@ def test_comm_bytes_match_the_compiled_program():
         for index_dtype in (jnp.int32, jnp.int64):
             kw = dict(density=0.01, per_leaf=per_leaf, min_size=100,
                       index_dtype=index_dtype)
-            text = _compiled_traffic(bl.topk_reduce("i", **kw), shapes)
+            text = _compiled_traffic(contrib.topk_reduce("i", **kw), shapes)
             traffic = sr.collective_traffic(text)
             assert traffic.bytes_per_device() == pytest.approx(
-                bl.topk_comm_bytes(params, N, **kw))
+                contrib.topk_comm_bytes(params, N, **kw))
             assert traffic.bytes_per_device("all-gather") == (N - 1) * gathered * 8
 
     kw = dict(rank=4, warmup_steps=0)
-    text = _compiled_traffic(bl.powersgd_reduce("i", **kw), shapes)
-    expected = bl.powersgd_comm_bytes(params, N, **kw)
+    text = _compiled_traffic(contrib.powersgd_reduce("i", **kw), shapes)
+    expected = contrib.powersgd_comm_bytes(params, N, **kw)
     assert sr.collective_traffic(text).bytes_per_device() == pytest.approx(
         expected)
     # "w" as factors [500, 4] and [40, 4]; "b" and "v" (too small to gain
     # 2x from rank 4) in full.
     assert expected == pytest.approx(2 * (N - 1) / N * 4 * (4 * 540 + 40 + 300))
-    assert bl.full_comm_bytes(params, N) == 2 * (N - 1) / N * 4 * 20340
+    assert contrib.full_comm_bytes(params, N) == 2 * (N - 1) / N * 4 * 20340
 
 
 def test_state_specs_place_only_per_rank_fields():
     # per_rank_fields is a class attribute, not a field of the state.
-    assert bl.TopKState._fields == ("count", "memory")
-    assert bl.PowerSGDState._fields == ("count", "q", "error")
+    assert contrib.TopKState._fields == ("count", "memory")
+    assert contrib.PowerSGDState._fields == ("count", "q", "error")
     params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
-    tx = optax.chain(bl.topk_reduce("data"), bl.powersgd_reduce("data", rank=1),
+    tx = optax.chain(contrib.topk_reduce("data"), contrib.powersgd_reduce("data", rank=1),
                      sr.skip_reduce("data", num_skip=1, error_feedback=True),
                      optax.adam(1e-3))
     specs = sr.state_specs(jax.eval_shape(tx.init, params), "data")
@@ -257,8 +254,8 @@ def test_state_specs_place_only_per_rank_fields():
 
 
 @pytest.mark.parametrize("make_tx", [
-    lambda: bl.topk_reduce("data", density=0.05),
-    lambda: bl.powersgd_reduce("data", rank=2, warmup_steps=2),
+    lambda: contrib.topk_reduce("data", density=0.05),
+    lambda: contrib.powersgd_reduce("data", rank=2, warmup_steps=2),
 ], ids=["topk", "powersgd"])
 def test_training_keeps_params_identical_across_devices(make_tx):
     mesh = jax.make_mesh((N,), ("data",))
@@ -279,7 +276,7 @@ def test_training_keeps_params_identical_across_devices(make_tx):
     params = sr.replicate(params, mesh)
     opt_state = sr.init_opt_state(tx, params, mesh, "data")
     per_rank_leaf = jax.tree_util.tree_leaves(
-        opt_state[0].memory if isinstance(opt_state[0], bl.TopKState)
+        opt_state[0].memory if isinstance(opt_state[0], contrib.TopKState)
         else opt_state[0].error)[0]
     assert per_rank_leaf.shape[0] == N
     assert per_rank_leaf.sharding.spec[0] == "data"
@@ -300,7 +297,7 @@ def test_training_keeps_params_identical_across_devices(make_tx):
 
 def test_powersgd_leaves_matrices_with_fewer_rows_than_rank_uncompressed():
     # [2, 100] at rank 4: the QR of P [2, 4] would keep 2 columns only.
-    tx = bl.powersgd_reduce("i", rank=4, warmup_steps=1, min_compression_rate=0.4)
+    tx = contrib.powersgd_reduce("i", rank=4, warmup_steps=1, min_compression_rate=0.4)
     grads = np.random.default_rng(6).normal(size=(N, 2, 100)).astype(np.float32)
 
     def f(g):
@@ -311,6 +308,44 @@ def test_powersgd_leaves_matrices_with_fewer_rows_than_rank_uncompressed():
 
     out, mean = per_rank(f, grads, n=N)
     np.testing.assert_allclose(out, mean, rtol=1e-6, atol=1e-6)  # full mean
-    assert bl.powersgd_comm_bytes({"w": jnp.zeros((2, 100))}, N, rank=4,
+    assert contrib.powersgd_comm_bytes({"w": jnp.zeros((2, 100))}, N, rank=4,
                                   min_compression_rate=0.4) == pytest.approx(
         2 * (N - 1) / N * 4 * 200)
+
+
+def test_powersgd_rejects_summed_gradients():
+    tx = contrib.powersgd_reduce("i", rank=1, warmup_steps=0)
+
+    def f(local):
+        summed = lax.psum(local, "i")
+        return tx.update(summed, tx.init(summed))[0]
+
+    with pytest.raises(ValueError,
+                       match=r"^powersgd_reduce: .* replicated \(invariant\) over \['i'\]"):
+        per_rank(f, np.ones((N, 16, 8), np.float32), n=N)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: contrib.topk_reduce("i", density=0.0), ValueError, "density must be > 0"),
+    (lambda: contrib.topk_reduce("i", density=1.5), ValueError, "density must be <= 1"),
+    (lambda: contrib.topk_reduce("i", per_leaf=1), TypeError, "per_leaf=1 must be a bool"),
+    (lambda: contrib.topk_reduce("i", min_size=-1), ValueError, "min_size=-1 must be"),
+    (lambda: contrib.topk_reduce("i", index_dtype=jnp.float32), TypeError, "index_dtype"),
+    (lambda: contrib.topk_reduce(0), TypeError, "axis_name=0"),
+    (lambda: contrib.topk_comm_bytes({}, N, density=2.0), ValueError, "density"),
+    (lambda: contrib.powersgd_reduce("i", rank=0), ValueError, "rank=0 must be a positive"),
+    (lambda: contrib.powersgd_reduce("i", warmup_steps=1.0), TypeError, "warmup_steps=1.0"),
+    (lambda: contrib.powersgd_reduce("i", min_compression_rate=-1.0), ValueError,
+     "min_compression_rate must be >= 0"),
+    (lambda: contrib.powersgd_comm_bytes({}, N, rank=True), TypeError, "rank=True"),
+])
+def test_arguments_are_checked_and_name_the_api(make, error, message):
+    with pytest.raises(error, match=r"^(topk|powersgd)_reduce: .*" + message):
+        make()
+
+
+def test_comm_bytes_refuse_unknown_arguments():
+    with pytest.raises(TypeError, match=r"^topk_comm_bytes: .*arguments of topk_reduce"):
+        contrib.topk_comm_bytes({}, N, densty=0.1)
+    with pytest.raises(TypeError, match=r"^powersgd_comm_bytes: .*of powersgd_reduce"):
+        contrib.powersgd_comm_bytes({}, N, rnak=2)
