@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _ring
+from skipreduce_jax import _ring, _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from skipreduce_jax._schedule import SkipSchedule, make_schedule
 from skipreduce_jax._vma import (all_gather_replicated, cast_varying,
@@ -119,29 +119,6 @@ def _check_floating(leaves, api: str):
                 "ring_psum or lax.psum.")
 
 
-def _check_not_sharded(leaves, api: str):
-    """Refuses leaves sharded over a mesh axis the compiler handles.
-
-    In a shard_map that leaves some mesh axes to the compiler
-    (``axis_names=``), a leaf may be sharded over one of them with
-    ``AxisType.Explicit``; the ring flattens each leaf, which JAX cannot do
-    to a sharded dimension.
-    """
-    for leaf in leaves:
-        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ())
-        axes = [a for entry in spec if entry is not None
-                for a in (entry if isinstance(entry, tuple) else (entry,))]
-        if axes:
-            raise ValueError(
-                f"{api}: got a leaf of type {jax.typeof(leaf).str_short()} "
-                f"that is sharded over the mesh axes {axes}, which this "
-                "shard_map leaves to the compiler as Explicit axes. The ring "
-                "flattens each leaf, which JAX cannot do to a sharded "
-                f"dimension. Make {axes} manual too (leave out shard_map's "
-                "axis_names, with in_specs/out_specs over them), or give "
-                "them AxisType.Auto in jax.make_mesh.")
-
-
 # ----------------------------------------------------------------------------
 # The shared path.
 # ----------------------------------------------------------------------------
@@ -164,7 +141,6 @@ def _plan(
     checks.check_bool(randomize, "randomize", api=api,
                       meaning="False: static SkipReduce")
     tree = jax.tree_util.tree_map(jnp.asarray, tree)
-    _check_not_sharded(jax.tree_util.tree_leaves(tree), api)
     num_skip = checks.check_num_skip(num_skip, n, api=api)
     chunks_per_rank, bucket_bytes = check_sizes(chunks_per_rank, bucket_bytes,
                                                 api=api)
@@ -202,15 +178,27 @@ def _reduce(
     accumulate_dtype: Any,
     gather: _ring.Gather,
     api: str,
+    specs: Any = None,
     with_left_out: bool = False,
 ) -> Any:
     """The shared body of the public reductions.
 
-    With ``with_left_out=True`` it returns ``(result, left_out)``: ``left_out`` holds
-    this rank's values that the schedule leaves out of the sum (zero where
-    they are summed), shaped like ``tree``, i.e. ``tree * ~contribution_mask``.
-    It is computed on the packed buffers (see :func:`_left_out`).
+    With ``with_left_out=True`` it returns ``(result, left_out)``: ``left_out``
+    holds this rank's values that the schedule leaves out of the sum (zero
+    where they are summed), shaped like ``tree``, i.e. ``tree *
+    ~contribution_mask``. It is computed on the packed buffers (see
+    :func:`_left_out`). Leaves sharded over the compiler's mesh axes are
+    reduced shard by shard (see ``_shards.py``).
     """
+    kwargs = dict(inner_axis=inner_axis, num_skip=num_skip, randomize=randomize,
+                  scale=scale, chunks_per_rank=chunks_per_rank,
+                  bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
+                  gather=gather, api=api, with_left_out=with_left_out)
+    sharded = _sharded(tree, axis_name, inner_axis, specs, key, api,
+                       lambda local, k: _reduce(local, axis_name, key=k, **kwargs),
+                       num_outputs=2 if with_left_out else 1)
+    if sharded is not None:
+        return sharded
     plan, schedules, n, inner = _plan(
         tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
@@ -259,6 +247,36 @@ def _reduce(
     if not with_left_out:
         return result
     return result, plan.unpack(left_out, fill=lambda i: jnp.zeros_like(leaves[i]))
+
+
+def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
+             key: Any, api: str, reduce: Any, num_outputs: int) -> Any:
+    """``reduce(tree, key)`` on local shards, or None when no leaf is sharded.
+
+    ``reduce`` returns ``num_outputs`` trees shaped like ``tree`` (a bare
+    tree for one).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(
+        jax.tree_util.tree_map(jnp.asarray, tree))
+    reduced = (axis_name,) + ((inner_axis,) if inner_axis else ())
+    per_leaf = _shards.leaf_specs(leaves, treedef, specs, reduced_axes=reduced,
+                                  api=api)
+    if all(s is None for s in per_leaf):
+        return None
+
+    def local(local_leaves, *maybe_key):
+        out = reduce(treedef.unflatten(local_leaves),
+                     maybe_key[0] if maybe_key else None)
+        if num_outputs == 1:
+            return treedef.flatten_up_to(out)
+        return tuple(treedef.flatten_up_to(o) for o in out)
+
+    extra = () if key is None else (as_typed_key(key, api=api),)
+    out = _shards.on_local_shards(local, leaves, per_leaf, *extra,
+                                  num_outputs=num_outputs)
+    if num_outputs == 1:
+        return treedef.unflatten(out)
+    return tuple(treedef.unflatten(o) for o in out)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
@@ -324,6 +342,7 @@ def ring_psum(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     gather: _ring.Gather = "native",
+    specs: Any = None,
 ) -> Any:
     """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
 
@@ -339,6 +358,12 @@ def ring_psum(
       gather: ``"native"`` (``lax.all_gather``; the result is typed replicated
         like ``psum``'s) or ``"ring"`` (N - 1 more ppermute steps; typed varying
         under ``check_vma=True``).
+      specs: how each leaf is sharded over the mesh axes this shard_map
+        leaves to the compiler: a pytree prefix of ``PartitionSpec`` (or
+        None). None reads it from the leaves' types (Explicit axes) and
+        otherwise takes them as replicated there. A sharded leaf is reduced
+        shard by shard: nothing is sent over those axes and the result keeps
+        the leaf's sharding.
 
     Returns:
       The sum over the axis, the same on every rank, with ``x``'s structure.
@@ -358,7 +383,7 @@ def ring_psum(
     return _reduce(
         x, axis_name, inner_axis=None, num_skip=0, key=None, randomize=False,
         scale=None, chunks_per_rank=1, bucket_bytes=bucket_bytes,
-        accumulate_dtype=None, gather=gather, api="ring_psum")
+        accumulate_dtype=None, gather=gather, api="ring_psum", specs=specs)
 
 
 def skip_psum(
@@ -374,6 +399,7 @@ def skip_psum(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
     gather: _ring.Gather = "native",
+    specs: Any = None,
 ) -> Any:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
@@ -408,6 +434,7 @@ def skip_psum(
         float32 (the reduce-scatter then sends float32). Each leaf is added
         in the promotion of its dtype and this one, never in a narrower one.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
+      specs: as in :func:`ring_psum`.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -436,7 +463,7 @@ def skip_psum(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api)
+        gather=gather, api=api, specs=specs)
 
 
 def skip_pmean(
@@ -452,6 +479,7 @@ def skip_pmean(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
     gather: _ring.Gather = "native",
+    specs: Any = None,
 ) -> Any:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
@@ -470,6 +498,7 @@ def skip_pmean(
       bucket_bytes: as in :func:`skip_psum`.
       accumulate_dtype: as in :func:`skip_psum`.
       gather: as in :func:`skip_psum`.
+      specs: as in :func:`ring_psum`.
 
     Returns:
       The partial mean, identical on every rank.
@@ -478,7 +507,8 @@ def skip_pmean(
         x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
         normalize=normalize, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
-        accumulate_dtype=accumulate_dtype, gather=gather, api="skip_pmean")
+        accumulate_dtype=accumulate_dtype, gather=gather, specs=specs,
+        api="skip_pmean")
 
 
 def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
@@ -530,7 +560,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            inner_axis: str | None = None, chunks_per_rank: int | None = None,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
-           api: str, with_left_out: bool = False) -> Any:
+           specs: Any = None, api: str, with_left_out: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -540,7 +570,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, with_left_out=with_left_out)
+        gather=gather, api=api, specs=specs, with_left_out=with_left_out)
 
 
 def contribution_mask(
@@ -553,11 +583,12 @@ def contribution_mask(
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    specs: Any = None,
 ) -> Any:
     """Which of this rank's values :func:`skip_psum` sums.
 
     With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``,
-    ``inner_axis``, ``chunks_per_rank`` and ``bucket_bytes`` (the only
+    ``inner_axis``, ``chunks_per_rank``, ``bucket_bytes`` and ``specs`` (the only
     arguments that decide who is summed), it asks the same bucket plan and
     schedules that :func:`skip_psum` uses, so the two always agree. Error
     feedback keeps ``x * ~mask`` for the next step.
@@ -572,12 +603,21 @@ def contribution_mask(
         outer rank's share is.
       chunks_per_rank: as in :func:`skip_psum`.
       bucket_bytes: as in :func:`skip_psum`.
+      specs: as in :func:`ring_psum`.
 
     Returns:
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is part of the sum.
     """
     api = "contribution_mask"
+    kwargs = dict(num_skip=num_skip, randomize=randomize, inner_axis=inner_axis,
+                  chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes)
+    sharded = _sharded(x, axis_name, inner_axis, specs, key, api,
+                       lambda local, k: contribution_mask(local, axis_name, key=k,
+                                                          **kwargs),
+                       num_outputs=1)
+    if sharded is not None:
+        return sharded
     plan, schedules, n, inner = _plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
