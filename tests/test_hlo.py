@@ -1,14 +1,17 @@
 """Traffic read from compiled programs equals the SkipReduce formula."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import line_mesh
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import line_mesh
 
 
 def _compiled_text(fn, n, size, dtype=jnp.float32):
@@ -32,7 +35,7 @@ def test_skip_psum_traffic_matches_formula(n, gather, unrolled, monkeypatch):
     size = 1000  # not a multiple of n * chunks: padding is counted
     for k in range(n):
         traffic = _traffic(
-            lambda v: sr.skip_psum(v, "i", key=jax.random.key(0), num_skip=k,
+            lambda v, k=k: sr.skip_psum(v, "i", key=jax.random.key(0), num_skip=k,
                                    chunks_per_rank=4, gather=gather), n, size)
         padded = -(-size // (4 * n)) * 4 * n * 4  # bytes
         assert traffic.count("all-reduce") == 0
@@ -102,7 +105,7 @@ ENTRY %main (p0: f32[1024], p1: f32[1024]) -> (f32[1024], f32[1024]) {
   %ars = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%p0, %p1), replica_groups={{0,1,2,3}}, to_apply=%add
   ROOT %ard = (f32[1024]{0}, f32[1024]{0}) all-reduce-done(%ars)
 }
-"""
+"""  # noqa: E501
 
 
 def test_async_combined_all_reduce_and_empty_groups():
@@ -129,3 +132,174 @@ def test_scalar_operands_count_and_async_context_words_do_not():
     program = _ASYNC_PROGRAM.split("  %ars")[0] + start + "}\n"
     program = program.replace("-> (f32[1024], f32[1024])", "-> f32[1024]")
     assert sr.collective_traffic(program).bytes_per_device() == 4096
+
+
+# Replica-group formats, as this jax version prints them (tests/hlo_texts/*.txt
+# hold instruction lines copied from compiled programs).
+_TEXTS = pathlib.Path(__file__).parent / "hlo_texts"
+_F32 = 4
+
+
+def _ring(nbytes, g):
+    return 2 * (g - 1) / g * nbytes
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("explicit_lists.txt", [  # (kind, group size, bytes per device)
+        ("all-reduce", 4, _ring(8 * _F32, 4)),
+        ("all-reduce", 2, _ring(8 * _F32, 2)),
+        ("reduce-scatter", 4, 3 / 4 * 32 * _F32),  # 32 reduced, 8 kept
+        ("all-gather", 2, 1 / 2 * 16 * _F32),
+        ("collective-permute", 2, 8 * _F32),
+        ("all-to-all", 4, 3 / 4 * 32 * _F32),
+    ]),
+    ("iota.txt", [
+        ("all-reduce", 2, _ring(256 * _F32, 2)),  # [4,2]<=[8]
+        ("collective-permute", 2, 64 * _F32),
+        ("all-gather", 2, 1 / 2 * 128 * _F32),  # [4,2]<=[2,2,2]T(0,2,1)
+    ]),
+    ("mesh_axes.txt", [
+        ("all-reduce", 8, _ring(512 * _F32, 8)),  # mesh[...=8,...=1] {axis_0}
+        ("all-reduce", 4, _ring(512 * _F32, 4)),
+        ("all-reduce", 2, _ring(512 * _F32, 2)),  # with device_ids=(...)
+        ("all-reduce", 4, _ring(512 * _F32, 4)),
+        ("all-gather", 4, 3 / 4 * 1024 * _F32),
+        ("all-to-all", 2, 1 / 2 * 256 * _F32),  # sub-axis {'axis_1':(2)2}
+    ]),
+])
+def test_every_replica_group_format_gives_its_group_size(name, expected):
+    ops = sr.collective_traffic((_TEXTS / name).read_text()).ops
+    assert [(op.kind, op.group_size) for op in ops] == [e[:2] for e in expected]
+    for op, (_, _, nbytes) in zip(ops, expected, strict=True):
+        assert op.bytes_per_device == pytest.approx(nbytes)
+
+
+def _gspmd_step_text(shape, batch_axes, axis_type):
+    mesh = jax.make_mesh(shape, ("d", "m")[:len(shape)],
+                         axis_types=(axis_type,) * len(shape))
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32,
+                             sharding=NamedSharding(mesh, P(batch_axes)))
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+    return jax.jit(step).lower(w, x).compile().as_text()
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("shape, batch_axes, group", [
+    ((8,), "d", 8), ((4, 2), ("d", "m"), 8), ((4, 2), "d", 4), ((4, 2), "m", 2)])
+def test_gspmd_data_parallel_step_sends_the_gradient_all_reduce(
+        shape, batch_axes, group, axis_type):
+    # Plain jax.jit over a sharded batch: the [32, 16] f32 gradient is
+    # all-reduced over the batch axes; its groups print as mesh axes.
+    text = _gspmd_step_text(shape, batch_axes, axis_type)
+    assert "replica_groups=mesh[" in text
+    traffic = sr.collective_traffic(text)
+    assert traffic.count("all-reduce") == 1
+    assert [op.group_size for op in traffic.ops] == [group]
+    assert traffic.bytes_per_device() == pytest.approx(_ring(32 * 16 * _F32, group))
+
+
+def _live_texts():
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    spec = P(("a", "b"))
+    x = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    def shard_map_text(fn):
+        f = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+        return jax.jit(f).lower(x).compile().as_text()
+
+    yield "list", shard_map_text(lambda v: lax.psum(v, "a")), [("all-reduce", 4)]
+    yield "list", shard_map_text(lambda v: lax.psum_scatter(v, "b", tiled=True)), [
+        ("reduce-scatter", 2)]
+    yield "list", shard_map_text(lambda v: lax.all_gather(v, "a", tiled=True)[:32]), [
+        ("all-gather", 4)]
+    yield "list", shard_map_text(lambda v: lax.ppermute(v, "b", [(0, 1), (1, 0)])), [
+        ("collective-permute", 2)]
+    yield "list", shard_map_text(
+        lambda v: lax.all_to_all(v.reshape(4, -1), "a", 0, 0, tiled=True).ravel()), [
+        ("all-to-all", 4)]
+    auto = jax.make_mesh((2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Auto,) * 3)
+    y = jax.ShapeDtypeStruct((16, 16), jnp.float32,
+                             sharding=NamedSharding(auto, P(("y", "z"))))
+    reshard = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(auto, P("x")))
+    yield "]<=[2,2,2]T(", reshard.lower(y).compile().as_text(), [
+        ("collective-permute", 2), ("all-gather", 2)]
+    y = jax.ShapeDtypeStruct((16, 16), jnp.float32,
+                             sharding=NamedSharding(auto, P(("x", "y"))))
+    transpose = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(auto, P(None, "z")))
+    yield "mesh[", transpose.lower(y).compile().as_text(), None
+
+
+def test_live_programs_of_every_format_are_read():
+    formats = set()
+    for fmt, text, expected in _live_texts():
+        assert fmt == "list" or fmt in text
+        formats.add(fmt)
+        ops = sr.collective_traffic(text).ops
+        assert ops and all(op.bytes_per_device > 0 for op in ops)
+        if expected is not None:
+            assert [(op.kind, op.group_size) for op in ops] == expected
+    assert len(formats) == 3
+
+
+_ONE_OP = """HloModule m, num_partitions=8, replica_count={replicas}
+ENTRY %main (p0: f32[1024]) -> f32[1024] {{
+  %p0 = f32[1024]{{0}} parameter(0)
+  ROOT %op = f32[1024]{{0}} {op}
+}}
+"""
+
+
+def _one_op(op, replicas=1):
+    return _ONE_OP.format(op=op, replicas=replicas)
+
+
+@pytest.mark.parametrize("groups", [
+    "mesh['x'=8] {'y'}",  # no such axis
+    "mesh['x'=4,'y'=2] {'x':(2)3}",  # sub-axis does not divide the axis
+    "[2,4]<=[4,3]",  # sizes do not match
+    "mesh['x'=16] {'x'}",  # more devices than the program has
+    "{{0,1},{2,3,4,5}}",  # groups of different sizes
+    "{{0,8}}",  # no device 8
+    "groups(0,1,2,3)",  # a format not known
+])
+def test_unknown_replica_groups_raise_and_name_the_instruction(groups):
+    line = (f"all-reduce(%p0), channel_id=1, replica_groups={groups}, "
+            "use_global_device_ids=true")
+    with pytest.raises(ValueError, match="format not understood.*" + re.escape(line)):
+        sr.collective_traffic(_one_op(line))
+
+
+def test_collectives_without_groups_or_not_counted_raise():
+    for op in ("all-reduce(%p0), channel_id=1, to_apply=%add",
+               "collective-permute(%p0), channel_id=1, source_target_pairs=[0,1]",
+               "ragged-all-to-all(%p0, %p0, %p0, %p0, %p0, %p0), replica_groups={}"):
+        with pytest.raises(ValueError, match=re.escape(op.split("(")[0])):
+            sr.collective_traffic(_one_op(op))
+
+
+def test_replica_groups_across_partitions_without_global_ids():
+    # A channel_id without use_global_device_ids: the groups list replicas,
+    # each group also spans every partition (here 2 replicas x 8 partitions).
+    op = "all-reduce(%p0), channel_id=1, replica_groups={{0},{1}}, to_apply=%add"
+    traffic = sr.collective_traffic(_one_op(op, replicas=2))
+    assert traffic.ops[0].group_size == 8
+    assert traffic.bytes_per_device() == _ring(4096, 8)
+
+
+def test_async_wrapped_collective_is_counted_once():
+    program = """HloModule m, num_partitions=8
+%wrapped (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %a2a = f32[1024]{0} all-to-all(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+}
+ENTRY %main (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %start = ((f32[1024]{0}), f32[1024]{0}) async-start(%p0), calls=%wrapped
+  ROOT %done = f32[1024]{0} async-done(%start), calls=%wrapped
+}
+"""
+    assert sr.collective_traffic(program).bytes_per_device() == 7 / 8 * 4096
