@@ -34,10 +34,15 @@ After the job, the tbf counters (bytes, drops) and the TCP retransmissions
 of each host are printed. ``--sysctl net.NAME=VALUE`` sets a network setting
 in every host namespace (e.g. TCP buffer sizes) to test its effect.
 
-Everything is torn down at the end, also after a failure, ``--timeout``,
-Ctrl-C or SIGTERM (processes: SIGTERM to each process group, SIGKILL after
-3 s, since JAX catches SIGTERM; then the namespaces are deleted, which
-removes their links). Leftovers of an earlier run are removed first.
+The processes are run by the launcher's supervisor (as ``python -m
+skipreduce_jax.launch`` runs its own): their output is prefixed ``[h<i>]``,
+and when one fails, ``--timeout`` passes or Ctrl-C/SIGTERM arrives, all of
+them are ended and the reason is reported (the process that failed first is
+blamed), with the launcher's exit statuses (124 on timeout, ``128 + N`` for
+signal ``N``). Everything is torn down at the end, also then (processes:
+SIGTERM to each process group, SIGKILL after 3 s, since JAX catches SIGTERM;
+then the namespaces are deleted, which removes their links). Leftovers of an
+earlier run are removed first.
 ``--teardown`` only removes leftovers. The namespace names are fixed, so one
 run at a time: a machine-wide ``flock`` (``/run/lock/srbench-cluster.lock``)
 makes a second run wait (``--lock-wait``) instead of tearing down the first
@@ -64,13 +69,27 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+# Make ``import skipreduce_jax`` work when the script is run from a checkout
+# without the package installed.
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from skipreduce_jax._supervisor import Job, Process  # noqa: E402
+from skipreduce_jax.distributed import (  # noqa: E402
+    ENV_COORDINATOR,
+    ENV_GLOO_INTERFACE,
+    ENV_LAUNCHER_PID,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
 DEFAULT_SCRIPT = REPO_ROOT / "benchmarks" / "collectives.py"
 
 PREFIX = "srbench"
@@ -78,10 +97,8 @@ SWITCH_NS = f"{PREFIX}-sw"
 BRIDGE = "br0"
 HOST_NIC = "veth0"
 SUBNET = "10.77.0"
-KILL_GRACE_SECONDS = 3.0
 LOCK_PATH = Path("/run/lock" if os.path.isdir("/run/lock") else "/tmp") / f"{PREFIX}-cluster.lock"
 EXIT_MISSING = 2
-EXIT_TIMEOUT = 124
 MIN_BURST_BYTES = 256 * 1024
 
 # glibc settings of each host's process for --malloc keep: never return
@@ -366,73 +383,6 @@ def format_stats(stats: Sequence[dict[str, int]]) -> str:
 # ----------------------------------------------------------------------------
 
 
-class Job:
-    """One process per host, their output forwarded with a ``[h<i>]`` prefix."""
-
-    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]]) -> None:
-        self.commands = commands
-        self.envs = envs
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.readers: list[threading.Thread] = []
-        self.lock = threading.Lock()
-
-    def start(self) -> None:
-        """Starts every process in its own session (process group)."""
-        for cmd, env in zip(self.commands, self.envs):
-            self.procs.append(subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True))
-        for i, proc in enumerate(self.procs):
-            assert proc.stdout is not None
-            reader = threading.Thread(target=self._forward, args=(i, proc.stdout),
-                                      daemon=True)
-            reader.start()
-            self.readers.append(reader)
-
-    def _forward(self, i: int, stream: IO[bytes]) -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                with self.lock:
-                    print(f"[h{i}] {line}", flush=True)
-
-    def wait(self, timeout: float, stop: threading.Event) -> tuple[int, str | None]:
-        """Waits for all to exit 0, one to fail, the timeout or ``stop``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if stop.is_set():
-                return 130, "interrupted"
-            codes = [p.poll() for p in self.procs]
-            for i, code in enumerate(codes):
-                if code not in (None, 0):
-                    return (code if code > 0 else 128 - code), f"host {i} exited with {code}"
-            if all(code == 0 for code in codes):
-                return 0, None
-            if time.monotonic() > deadline:
-                return EXIT_TIMEOUT, f"timeout after {timeout:g} s"
-            time.sleep(0.1)
-
-    def end(self) -> None:
-        """SIGTERM to every process group, SIGKILL after the grace period."""
-        for proc in self.procs:
-            _kill_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_SECONDS
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for proc in self.procs:
-            _kill_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for reader in self.readers:
-            reader.join(timeout=2)
-
-
-def _kill_group(pid: int, signum: int) -> None:
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str, str]:
     """Environment of host ``i``'s process.
 
@@ -455,14 +405,14 @@ def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str
         env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"),
                                                        *KEEP_MEMORY]))
     env.update({
-        "SKIPREDUCE_COORDINATOR": f"{host_address(0)}:{port}",
-        "SKIPREDUCE_NUM_PROCESSES": str(hosts),
-        "SKIPREDUCE_PROCESS_ID": str(i),
-        "SKIPREDUCE_LOCAL_DEVICES": "1",
-        "SKIPREDUCE_GLOO_INTERFACE": HOST_NIC,
+        ENV_COORDINATOR: f"{host_address(0)}:{port}",
+        ENV_NUM_PROCESSES: str(hosts),
+        ENV_PROCESS_ID: str(i),
+        ENV_LOCAL_DEVICES: "1",
+        ENV_GLOO_INTERFACE: HOST_NIC,
         # The process is killed if this runner dies (ip netns exec execs it,
         # so this runner is its parent).
-        "SKIPREDUCE_LAUNCHER_PID": str(os.getpid()),
+        ENV_LAUNCHER_PID: str(os.getpid()),
         "JAX_PLATFORMS": "cpu",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
@@ -552,11 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cluster.py: no script {args.script}", file=sys.stderr)
         return 2
 
-    stop = threading.Event()
-    job: Job | None = None
-
+    # Outside the job (building, probing, tearing down); while it runs, the
+    # supervisor handles these signals itself.
     def on_signal(signum: int, frame: object) -> None:
-        stop.set()
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal)
@@ -595,16 +543,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             tag = args.tag or f"cluster_h{args.hosts}_{args.rate}"
             cmd_args = ["--sizes", args.sizes, "--rounds", str(args.rounds), "--tag", tag,
                         "--breakdown", "--meta", json.dumps({"network": network}), *cmd_args]
-        commands = [in_ns(host_ns(i), sys.executable, str(args.script), *cmd_args)
-                    for i in range(args.hosts)]
-        envs = [process_env(i, args.hosts, args.port, args.malloc) for i in range(args.hosts)]
-        job = Job(commands, envs)
+        processes = [Process(in_ns(host_ns(i), sys.executable, str(args.script), *cmd_args),
+                             process_env(i, args.hosts, args.port, args.malloc), f"[h{i}] ")
+                     for i in range(args.hosts)]
         t0 = time.monotonic()
-        job.start()
-        status, why = job.wait(args.timeout, stop)
-        if why:
-            print(f"cluster: {why}; ending the processes", file=sys.stderr, flush=True)
-        else:
+        # Reports a failure, timeout or signal itself, and ends every process.
+        status = Job(processes, timeout=args.timeout, name="cluster").run()
+        if status == 0:
             print(f"cluster: job finished in {time.monotonic() - t0:.0f} s", flush=True)
             print(format_stats(network_stats(args.hosts)), flush=True)
     except KeyboardInterrupt as err:
@@ -618,8 +563,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
         try:
-            if job is not None:
-                job.end()
             if lock is not None:  # without the lock the namespaces are another run's
                 teardown(log=lambda m: None)
                 left = our_namespaces()

@@ -50,15 +50,15 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, Final
+from typing import Final
 
+from skipreduce_jax._checks import check_int
+from skipreduce_jax._supervisor import EXIT_TIMEOUT as EXIT_TIMEOUT
+from skipreduce_jax._supervisor import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
+from skipreduce_jax._supervisor import Job, Process
 from skipreduce_jax.distributed import (
     ENV_COORDINATOR,
     ENV_GLOO_INTERFACE,
@@ -84,20 +84,12 @@ PROG: Final = "python -m skipreduce_jax.launch"
 
 #: Seconds a job may run before it is ended (``--timeout``).
 DEFAULT_TIMEOUT: Final = 600.0
-#: Seconds between SIGTERM and SIGKILL when ending processes.
-KILL_GRACE_SECONDS: Final = 3.0
 #: Most devices (processes x devices per process) one job may ask for.
 MAX_TOTAL_DEVICES: Final = 512
 #: Most processes per CPU core (``os.cpu_count()``) one job may start.
 PROCESSES_PER_CPU: Final = 8
-#: Exit status when ``--timeout`` passed.
-EXIT_TIMEOUT: Final = 124
 #: Exit status for bad arguments.
 EXIT_USAGE: Final = 2
-
-_POLL_SECONDS: Final = 0.05
-_DRAIN_SECONDS: Final = 2.0
-_HANDLED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class LaunchError(ValueError):
@@ -150,14 +142,17 @@ def launch(
         0
     """
     script = os.fspath(script)
-    _validate(script, num_processes, devices_per_process, timeout, port)
+    num_processes, devices_per_process, port = _validate(
+        script, num_processes, devices_per_process, timeout, port)
     # Held until the job ends, so that no other program (another launch
     # picking a free port, say) takes the port before process 0 binds it.
     with _reserve_port(port) as reservation:
         job_env = _job_env(reservation.getsockname()[1], num_processes,
                            devices_per_process, env or {})
-        job = _Job([sys.executable, script, *args], job_env, num_processes, timeout)
-        return job.run()
+        command = [sys.executable, script, *args]
+        processes = [Process(command, {**job_env, ENV_PROCESS_ID: str(rank)}, f"[p{rank}] ")
+                     for rank in range(num_processes)]
+        return Job(processes, timeout=timeout, name=PROG).run()
 
 
 def _job_env(port: int, num_processes: int, devices_per_process: int,
@@ -267,13 +262,11 @@ def _validate(
     devices_per_process: int,
     timeout: float | None,
     port: int | None,
-) -> None:
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise LaunchError(f"-n/--num-processes must be an integer >= 1, got {num_processes!r}.")
-    if not isinstance(devices_per_process, int) or devices_per_process < 1:
-        raise LaunchError(
-            f"--devices-per-process must be an integer >= 1, got {devices_per_process!r}."
-        )
+) -> tuple[int, int, int | None]:
+    """Refuses bad arguments; ``num_processes``, ``devices_per_process``, ``port`` as ints."""
+    num_processes = _check_int(num_processes, "-n/--num-processes", "an integer >= 1")
+    devices_per_process = _check_int(devices_per_process, "--devices-per-process",
+                                     "an integer >= 1")
     cpus = os.cpu_count() or 1
     if num_processes > PROCESSES_PER_CPU * cpus:
         raise LaunchError(
@@ -292,11 +285,20 @@ def _validate(
         raise LaunchError(
             f"--timeout must be > 0 seconds (or None for no limit), got {timeout!r}."
         )
-    if port is not None and not (isinstance(port, int) and 1 <= port <= 65535):
-        raise LaunchError(f"--port must be an integer in 1..65535, got {port!r}.")
+    if port is not None:
+        port = _check_int(port, "--port", "an integer in 1..65535", maximum=65535)
     if not os.path.isfile(script):
         what = "is a directory, not a file" if os.path.isdir(script) else "does not exist"
         raise LaunchError(f"SCRIPT {script!r} {what} (working directory: {os.getcwd()}).")
+    return num_processes, devices_per_process, port
+
+
+def _check_int(value: object, option: str, allowed: str, *, maximum: int | None = None) -> int:
+    """:func:`check_int` (no bools, numpy ints as ints), with the launcher's message."""
+    try:
+        return check_int(value, option, minimum=1, maximum=maximum, type_error=LaunchError)
+    except ValueError:  # LaunchError included: the message names the command-line option
+        raise LaunchError(f"{option} must be {allowed}, got {value!r}.") from None
 
 
 def _loopback_interface() -> str:
@@ -337,185 +339,6 @@ def _reserve_port(port: int | None) -> socket.socket:
             "--port, or leave --port out to use a free port."
         ) from None
     return sock
-
-
-# --------------------------------------------------------------------------
-# Running the processes.
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _kill_group(pid: int, signum: int) -> None:
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class _Job:
-    """The processes of one launch, their output threads and their fate."""
-
-    def __init__(
-        self, command: list[str], env: dict[str, str], num_processes: int, timeout: float | None
-    ) -> None:
-        self.command = command
-        self.env = env
-        self.num_processes = num_processes
-        self.timeout = timeout
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.readers: list[threading.Thread] = []
-        self.out_lock = threading.Lock()
-        self.received_signal: int | None = None
-        # (rank, exit code) in the order the processes ended.
-        self.exits: list[tuple[int, int]] = []
-        self.exits_lock = threading.Lock()
-
-    def run(self) -> int:
-        previous = self._install_signal_handlers()
-        try:
-            self._start()
-            status, report = self._wait()
-            if report is not None:
-                self._report(report)
-                self._end_all()
-            return status
-        finally:
-            self._end_all(quiet=True)
-            # Output still in the pipes; a process's leftover children may hold a
-            # pipe open, so do not wait for EOF forever (the threads are daemons).
-            deadline = time.monotonic() + _DRAIN_SECONDS
-            for reader in self.readers:
-                reader.join(timeout=max(0.0, deadline - time.monotonic()))
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum: int, frame: object) -> None:
-            if self.received_signal is None:
-                self.received_signal = signum
-
-        previous: dict[int, Any] = {}
-        for signum in _HANDLED_SIGNALS:
-            previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, on_signal)
-        return previous
-
-    def _start(self) -> None:
-        for rank in range(self.num_processes):
-            env = dict(self.env)
-            env[ENV_PROCESS_ID] = str(rank)
-            self.procs.append(
-                subprocess.Popen(
-                    self.command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        for rank, proc in enumerate(self.procs):
-            assert proc.stdout is not None
-            reader = threading.Thread(
-                target=self._forward, args=(rank, proc.stdout), name=f"launch-p{rank}", daemon=True
-            )
-            reader.start()
-            self.readers.append(reader)
-            threading.Thread(
-                target=self._record_exit, args=(rank, proc), name=f"wait-p{rank}", daemon=True
-            ).start()
-
-    def _record_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        # One thread per process, blocked in its wait: the order of the list
-        # is the order in which the processes ended, so a process that failed
-        # because another one died first is not blamed for it.
-        code = proc.wait()
-        with self.exits_lock:
-            self.exits.append((rank, code))
-
-    def _forward(self, rank: int, stream: IO[bytes]) -> None:
-        prefix = f"[p{rank}] "
-        with stream:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                with self.out_lock:
-                    try:
-                        sys.stdout.write(prefix + line)
-                        sys.stdout.flush()
-                    except (AttributeError, OSError, ValueError):
-                        # No or broken stdout: keep reading, so that the
-                        # process never blocks on a full pipe.
-                        pass
-
-    def _wait(self) -> tuple[int, str | None]:
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            if self.received_signal is not None:
-                name = _signal_name(self.received_signal)
-                running = sum(p.poll() is None for p in self.procs)
-                return 128 + self.received_signal, (
-                    f"received {name}; ending the {running} running process(es)."
-                )
-            with self.exits_lock:
-                exits = list(self.exits)
-            failed = [(rank, code) for rank, code in exits if code != 0]
-            if failed:
-                rank, code = failed[0]
-                others = sum(p.poll() is None for p in self.procs)
-                if code < 0:
-                    why, status = f"was killed by {_signal_name(-code)}", 128 - code
-                else:
-                    why, status = f"exited with code {code}", code
-                rest = "; ".join(
-                    [f"process {r} then exited with {c}" for r, c in failed[1:]]
-                    + [f"ending the {others} other running process(es)" if others
-                       else "no other process was running"])
-                who = f"process {rank} ([p{rank}], pid {self.procs[rank].pid})"
-                return status, f"{who} failed first: it {why}; {rest}."
-            if len(exits) == self.num_processes:
-                return 0, None
-            ended = {rank for rank, _ in exits}
-            running = [rank for rank in range(self.num_processes) if rank not in ended]
-            if deadline is not None and time.monotonic() >= deadline:
-                return EXIT_TIMEOUT, (
-                    f"timeout: process(es) {', '.join(map(str, running))} of {self.num_processes} "
-                    f"still running after {self.timeout:g} s (--timeout); ending them."
-                )
-            time.sleep(_POLL_SECONDS)
-
-    def _report(self, message: str) -> None:
-        with self.out_lock:
-            print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-    def _end_all(self, quiet: bool = False) -> None:
-        """SIGTERM to every process group, SIGKILL after the grace period.
-
-        Also after a clean exit: what a process left running in its session
-        (its group) is killed, so the job leaves nothing behind.
-        """
-        if not self.procs:
-            return
-        if not quiet or any(p.poll() is None for p in self.procs):
-            for proc in self.procs:
-                _kill_group(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + KILL_GRACE_SECONDS
-            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-                time.sleep(_POLL_SECONDS)
-        # Also for groups whose leader is gone: what it started may live on.
-        for proc in self.procs:
-            _kill_group(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait()
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from skipreduce_jax import distributed, launch
 from helpers import assert_all_dead, launcher_results
+
+from skipreduce_jax import _supervisor, distributed, launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -379,10 +379,10 @@ def test_chosen_port_is_held_until_the_job_ends(
     # Another program binds the chosen port after the launcher chose it and
     # before process 0's coordinator binds it (the race, made certain).
     rival_errors: list[int] = []
-    run = launch._Job.run
+    run = _supervisor.Job.run
 
-    def run_after_a_rival(job: launch._Job) -> int:
-        port = int(job.env[distributed.ENV_COORDINATOR].rsplit(":", 1)[1])
+    def run_after_a_rival(job: _supervisor.Job) -> int:
+        port = int(job.processes[0].env[distributed.ENV_COORDINATOR].rsplit(":", 1)[1])
         with socket.socket() as rival:
             try:
                 rival.bind(("127.0.0.1", port))
@@ -391,7 +391,7 @@ def test_chosen_port_is_held_until_the_job_ends(
                 rival_errors.append(err.errno)
             return run(job)
 
-    monkeypatch.setattr(launch._Job, "run", run_after_a_rival)
+    monkeypatch.setattr(_supervisor.Job, "run", run_after_a_rival)
     reservations: list[socket.socket] = []
     reserve = launch._reserve_port
 
@@ -572,7 +572,7 @@ def test_gloo_interface_factory_checks_jax_internals(monkeypatch: pytest.MonkeyP
     distributed._install_gloo_interface("lo")
     ((name, factory, kw),) = registered
     assert name == "cpu" and kw == {"priority": 0, "fail_quietly": False}
-    assert getattr(factory, "skipreduce_gloo_interface") == "lo"
+    assert factory.skipreduce_gloo_interface == "lo"
 
     # Someone else's cpu factory (or a changed jax): a clear error, no guessing.
     original = xla_bridge._backend_factories["cpu"]
