@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=Path, nargs="*", default=[],
                    help="collectives_*.json file(s) to predict")
     p.add_argument("--fit-sizes", type=parse_sizes, default=None,
-                   help="only these sizes (float32 elements per rank, e.g. 8M,24M) of the fit "
-                        "files (default all)")
+                   help="only these sizes (float32 elements per rank, binary suffixes "
+                        "K/M/G/T = 2**10/20/30/40, e.g. 8M,24M) of the fit files (default all)")
     p.add_argument("--check-sizes", type=parse_sizes, default=None,
                    help="only these sizes of the check files (default all)")
     p.add_argument("--groups", default="ring,random,psum",

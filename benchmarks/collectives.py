@@ -84,7 +84,6 @@ DEFAULT_SIZES = "1M,4M,16M,32M"
 DEFAULT_SIZES_IN_PROCESS = "1M,4M"
 DEFAULT_OUT = _REPO_ROOT / "benchmarks" / "results"
 AXIS = "data"
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 # ----------------------------------------------------------------------------
@@ -92,37 +91,34 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 # ----------------------------------------------------------------------------
 
 
-def parse_count(text: str) -> int:
-    """Parses an element count such as ``4M`` (4 * 2**20), ``512K`` or ``1000``.
+def parse_sizes(text: str) -> list[int]:
+    """Parses comma-separated element counts with binary suffixes (``4M`` = 4 * 2**20).
+
+    Each count is read by :func:`skipreduce_jax.cost.parse_binary_count`.
+    That imports jax, so in this script call it only after :func:`configure`.
 
     Args:
-        text: a positive number with an optional binary suffix K, M or G.
+        text: e.g. ``"1M,4M,16M"``.
 
     Returns:
-        The number of elements.
+        The element counts, in order.
+
+    Raises:
+        argparse.ArgumentTypeError: for a count that does not parse.
     """
-    text = text.strip().upper()
-    unit = text[-1] if text and text[-1] in _UNITS else ""
-    number = text[: len(text) - len(unit)]
+    from skipreduce_jax.cost import parse_binary_count
+
     try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad element count {text!r}") from None
-    if value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(f"element count {text!r} must be a whole number >= 1")
-    return int(value)
-
-
-def parse_sizes(text: str) -> list[int]:
-    """Parses a comma-separated list of element counts (see :func:`parse_count`)."""
-    return [parse_count(part) for part in text.split(",") if part.strip()]
+        return [parse_binary_count(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_count(count: int) -> str:
     """Formats an element count with the largest exact binary suffix."""
-    for unit in ("G", "M", "K"):
-        if count % _UNITS[unit] == 0:
-            return f"{count // _UNITS[unit]}{unit}"
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if count % scale == 0:
+            return f"{count // scale}{unit}"
     return str(count)
 
 
@@ -133,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices in in-process mode (default 8; ignored "
                         "in multi-process mode)")
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help=f"float32 elements per rank, comma-separated, K/M/G = 2**10/20/30 "
-                        f"(default {DEFAULT_SIZES} multi-process, {DEFAULT_SIZES_IN_PROCESS} "
+    # Parsed in main, after configure(): the parser imports jax.
+    p.add_argument("--sizes", default=None,
+                   help=f"float32 elements per rank, comma-separated, binary suffixes "
+                        f"K/M/G/T = 2**10/20/30/40, e.g. 16M = 16 * 2**20 (default "
+                        f"{DEFAULT_SIZES} multi-process, {DEFAULT_SIZES_IN_PROCESS} "
                         "in-process)")
     p.add_argument("--ks", type=lambda s: [int(v) for v in s.split(",") if v.strip()],
                    default=None, help="skip counts to time (default: all of 0..N-1)")
@@ -246,7 +244,9 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
 
 def theory_ratio(n: int, k: int) -> float:
     """Traffic of SkipReduce relative to the full ring: (2(N-1)-k)/(2(N-1))."""
-    return (2 * (n - 1) - k) / (2 * (n - 1))
+    from skipreduce_jax._traffic import traffic_fraction
+
+    return traffic_fraction(n, k)
 
 
 def padded_elements(size: int, n: int, variant: Variant) -> int:
@@ -275,13 +275,16 @@ def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
     For the parts: 1/N of the buffer (one step, also beside the reorder),
     (N-1)/N (all_gather) and nothing (the reorder is local).
     """
+    from skipreduce_jax._traffic import all_gather_bytes, skipreduce_bytes
+
+    chunk_bytes = size // n * 4
     if variant.name == REORDER:
         return 0.0
     if variant.name in (PERMUTE_STEP, PERMUTE_PIECES, BESIDE, BESIDE_PIECES):
-        return size // n * 4
+        return chunk_bytes
     if variant.name == ALL_GATHER:
-        return (n - 1) * (size // n) * 4
-    return (2 * (n - 1) - variant.num_skip) / n * padded_elements(size, n, variant) * 4
+        return all_gather_bytes(n * chunk_bytes, n)
+    return skipreduce_bytes(padded_elements(size, n, variant) * 4, n, variant.num_skip)
 
 
 def build_function(variant: Variant, mesh: Any, gather: str,
@@ -390,8 +393,9 @@ def source_version() -> dict[str, Any]:
 
     package = _REPO_ROOT / "skipreduce_jax"
     digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0"
+                      + path.read_bytes())
     info: dict[str, Any] = {"skipreduce_jax_sha256": digest.hexdigest()[:16]}
 
     def git(*cmd: str) -> str | None:
@@ -747,8 +751,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if h.n < 2:
         raise SystemExit(f"N = {h.n}: a ring needs at least 2 devices (--devices, or "
                          "more processes)")
-    if args.sizes is None:
-        args.sizes = parse_sizes(DEFAULT_SIZES if multiprocess else DEFAULT_SIZES_IN_PROCESS)
+    try:
+        args.sizes = parse_sizes(args.sizes or (DEFAULT_SIZES if multiprocess
+                                                else DEFAULT_SIZES_IN_PROCESS))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--sizes: {e}") from None
     if min(args.sizes) < h.n:
         raise SystemExit(f"--sizes: every size must be at least N = {h.n} elements per "
                          "rank (one per ring chunk)")
