@@ -324,7 +324,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
         by_chunk = x.reshape(n, bucket.chunks_per_rank, -1)
         edges = [by_chunk.shape[2] * j // count for j in range(count + 1)]
         return [_ring.put_in_slot_order(by_chunk[:, :, a:b], schedule).reshape(-1)
-                for a, b in zip(edges[:-1], edges[1:])]
+                for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
     if variant.name == PERMUTE_STEP:
         def body(x: Any, key: Any) -> Any:
@@ -337,7 +337,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
             chunk = x[: x.shape[0] // n]
             edges = [chunk.shape[0] * j // pieces for j in range(pieces + 1)]
             return jnp.concatenate([lax.ppermute(chunk[a:b], AXIS, ring_perm)
-                                    for a, b in zip(edges[:-1], edges[1:])])
+                                    for a, b in zip(edges[:-1], edges[1:], strict=True)])
         out_spec = P(AXIS)
     elif variant.name == ALL_GATHER:
         def body(x: Any, key: Any) -> Any:
@@ -603,7 +603,7 @@ def format_table(rows: Sequence[dict[str, Any]], rate: float | None = None) -> s
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     out = [fmt(headers), fmt(["-" * w for w in widths])]
     out += [fmt(line) for line in lines]
@@ -699,7 +699,7 @@ def plot(rows: Sequence[dict[str, Any]], n: int, path: Path, title: str) -> None
     cols = min(len(sizes), 4)
     nrows = -(-len(sizes) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
-    for ax, size in zip(axes.flat, sizes):
+    for ax, size in zip(axes.flat, sizes, strict=False):
         at = [r for r in rows if r["size"] == size]
         ring = next(r for r in at if r["kind"] == "ring")
         psum = next(r for r in at if r["kind"] == "psum")
@@ -773,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": args.sizes, "rounds": args.rounds, "warmup": args.warmup,
         "gather": args.gather, "seed": args.seed, "jax": jax.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "timing": "per call: barrier (tiny psum), then the call until block_until_ready; "
                   "the max over processes; median/IQR over interleaved rounds",
         "load_average_start": os.getloadavg(),
