@@ -506,17 +506,17 @@ def _nbytes_from_args(args: argparse.Namespace) -> int:
     return args.params * DTYPE_BYTES[args.dtype]
 
 
-def _check_cli_n(n: int) -> None:
-    if n < 2:
-        raise ValueError(f"--n must be >= 2, got {n}")
+def _problem_from_args(
+    args: argparse.Namespace,
+) -> tuple[int, int, LinkModel, LinkModel | None]:
+    """``(n, nbytes, link, inner_link)`` of ``predict`` and ``target``."""
+    if args.n < 2:
+        raise ValueError(f"--n must be >= 2, got {args.n}")
+    return args.n, _nbytes_from_args(args), _link_from_args(args), _inner_link_from_args(args)
 
 
 def _cmd_predict(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    n = args.n
-    _check_cli_n(n)
-    nbytes = _nbytes_from_args(args)
-    link = _link_from_args(args)
-    inner_link = _inner_link_from_args(args)
+    n, nbytes, link, inner_link = _problem_from_args(args)
     requested: list[tuple[int, float | None]]
     if args.k is not None:
         for k in args.k:
@@ -605,11 +605,7 @@ def _cmd_predict(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 
 def _cmd_target(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    n = args.n
-    _check_cli_n(n)
-    nbytes = _nbytes_from_args(args)
-    link = _link_from_args(args)
-    inner_link = _inner_link_from_args(args)
+    n, nbytes, link, inner_link = _problem_from_args(args)
     target = args.time
     if inner_link is None:
         base = predict_allreduce(nbytes, n, link)

@@ -134,7 +134,7 @@ class LinkModel:
             50000000000.0
         """
         g = check_real(gbit_per_s, "gbit_per_s", api="LinkModel.from_gbit", positive=True)
-        return cls(alpha=alpha, bandwidth=g * 1e9 / 8.0, call_overhead=call_overhead)
+        return cls.from_gbyte(g / 8.0, alpha=alpha, call_overhead=call_overhead)
 
     @classmethod
     def from_gbyte(
