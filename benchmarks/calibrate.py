@@ -1,4 +1,4 @@
-"""Calibrates the alpha-beta cost model on one benchmark run, checks it on others.
+r"""Calibrates the alpha-beta cost model on one benchmark run, checks it on others.
 
 Reads result files of ``benchmarks/collectives.py`` (``collectives_*.json``,
 e.g. written by ``benchmarks/cluster.py``), fits
@@ -26,10 +26,10 @@ and per-call constants are kept).
 
 Example::
 
-    .venv/bin/python benchmarks/calibrate.py \\
-        --fit benchmarks/results/collectives_cal_h4_1gbit_fit.json \\
-        --check benchmarks/results/collectives_cal_h4_1gbit_check.json \\
-                benchmarks/results/collectives_cluster_h8_500mbit.json \\
+    .venv/bin/python benchmarks/calibrate.py \
+        --fit benchmarks/results/collectives_cal_h4_1gbit_fit.json \
+        --check benchmarks/results/collectives_cal_h4_1gbit_check.json \
+                benchmarks/results/collectives_cluster_h8_500mbit.json \
         --scale-rate --save benchmarks/results/link_model_1gbit.json
 """
 
@@ -124,7 +124,7 @@ def error_table(points: Sequence[Point], results: Sequence[Validation]) -> str:
     head = (f"{'file':<40} {'n':>2} {'mode':<7} {'k':>2} {'MB':>6} {'measured ms':>11} "
             f"{'IQR ms':>7} {'predicted ms':>12} {'error':>7}")
     lines = [head, "-" * len(head)]
-    for p, r in zip(points, results):
+    for p, r in zip(points, results, strict=True):
         m = r.measurement
         lines.append(f"{p.source:<40} {m.n:>2} {p.mode:<7} {m.num_skip:>2} "
                      f"{m.nbytes / 1e6:>6.1f} {m.seconds * 1e3:>11.1f} {p.iqr * 1e3:>7.1f} "
@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=Path, nargs="*", default=[],
                    help="collectives_*.json file(s) to predict")
     p.add_argument("--fit-sizes", type=parse_sizes, default=None,
-                   help="only these sizes (float32 elements per rank, e.g. 8M,24M) of the fit "
-                        "files (default all)")
+                   help="only these sizes (float32 elements per rank, binary suffixes "
+                        "K/M/G/T = 2**10/20/30/40, e.g. 8M,24M) of the fit files (default all)")
     p.add_argument("--check-sizes", type=parse_sizes, default=None,
                    help="only these sizes of the check files (default all)")
     p.add_argument("--groups", default="ring,random,psum",
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _rows(points: Sequence[Point], results: Sequence[Validation]) -> list[dict[str, Any]]:
     return [{**r.measurement.to_dict(), "mode": p.mode, "source": p.source,
              "predicted": r.predicted, "rel_error": r.rel_error}
-            for p, r in zip(points, results)]
+            for p, r in zip(points, results, strict=True)]
 
 
 if __name__ == "__main__":

@@ -84,7 +84,6 @@ DEFAULT_SIZES = "1M,4M,16M,32M"
 DEFAULT_SIZES_IN_PROCESS = "1M,4M"
 DEFAULT_OUT = _REPO_ROOT / "benchmarks" / "results"
 AXIS = "data"
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 # ----------------------------------------------------------------------------
@@ -92,37 +91,34 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 # ----------------------------------------------------------------------------
 
 
-def parse_count(text: str) -> int:
-    """Parses an element count such as ``4M`` (4 * 2**20), ``512K`` or ``1000``.
+def parse_sizes(text: str) -> list[int]:
+    """Parses comma-separated element counts with binary suffixes (``4M`` = 4 * 2**20).
+
+    Each count is read by :func:`skipreduce_jax.cost.parse_binary_count`.
+    That imports jax, so in this script call it only after :func:`configure`.
 
     Args:
-        text: a positive number with an optional binary suffix K, M or G.
+        text: e.g. ``"1M,4M,16M"``.
 
     Returns:
-        The number of elements.
+        The element counts, in order.
+
+    Raises:
+        argparse.ArgumentTypeError: for a count that does not parse.
     """
-    text = text.strip().upper()
-    unit = text[-1] if text and text[-1] in _UNITS else ""
-    number = text[: len(text) - len(unit)]
+    from skipreduce_jax.cost import parse_binary_count
+
     try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad element count {text!r}") from None
-    if value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(f"element count {text!r} must be a whole number >= 1")
-    return int(value)
-
-
-def parse_sizes(text: str) -> list[int]:
-    """Parses a comma-separated list of element counts (see :func:`parse_count`)."""
-    return [parse_count(part) for part in text.split(",") if part.strip()]
+        return [parse_binary_count(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_count(count: int) -> str:
     """Formats an element count with the largest exact binary suffix."""
-    for unit in ("G", "M", "K"):
-        if count % _UNITS[unit] == 0:
-            return f"{count // _UNITS[unit]}{unit}"
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if count % scale == 0:
+            return f"{count // scale}{unit}"
     return str(count)
 
 
@@ -133,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices in in-process mode (default 8; ignored "
                         "in multi-process mode)")
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help=f"float32 elements per rank, comma-separated, K/M/G = 2**10/20/30 "
-                        f"(default {DEFAULT_SIZES} multi-process, {DEFAULT_SIZES_IN_PROCESS} "
+    # Parsed in main, after configure(): the parser imports jax.
+    p.add_argument("--sizes", default=None,
+                   help=f"float32 elements per rank, comma-separated, binary suffixes "
+                        f"K/M/G/T = 2**10/20/30/40, e.g. 16M = 16 * 2**20 (default "
+                        f"{DEFAULT_SIZES} multi-process, {DEFAULT_SIZES_IN_PROCESS} "
                         "in-process)")
     p.add_argument("--ks", type=lambda s: [int(v) for v in s.split(",") if v.strip()],
                    default=None, help="skip counts to time (default: all of 0..N-1)")
@@ -246,7 +244,9 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
 
 def theory_ratio(n: int, k: int) -> float:
     """Traffic of SkipReduce relative to the full ring: (2(N-1)-k)/(2(N-1))."""
-    return (2 * (n - 1) - k) / (2 * (n - 1))
+    from skipreduce_jax._traffic import traffic_fraction
+
+    return traffic_fraction(n, k)
 
 
 def padded_elements(size: int, n: int, variant: Variant) -> int:
@@ -275,13 +275,16 @@ def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
     For the parts: 1/N of the buffer (one step, also beside the reorder),
     (N-1)/N (all_gather) and nothing (the reorder is local).
     """
+    from skipreduce_jax._traffic import all_gather_bytes, skipreduce_bytes
+
+    chunk_bytes = size // n * 4
     if variant.name == REORDER:
         return 0.0
     if variant.name in (PERMUTE_STEP, PERMUTE_PIECES, BESIDE, BESIDE_PIECES):
-        return size // n * 4
+        return chunk_bytes
     if variant.name == ALL_GATHER:
-        return (n - 1) * (size // n) * 4
-    return (2 * (n - 1) - variant.num_skip) / n * padded_elements(size, n, variant) * 4
+        return all_gather_bytes(n * chunk_bytes, n)
+    return skipreduce_bytes(padded_elements(size, n, variant) * 4, n, variant.num_skip)
 
 
 def build_function(variant: Variant, mesh: Any, gather: str,
@@ -321,7 +324,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
         by_chunk = x.reshape(n, bucket.chunks_per_rank, -1)
         edges = [by_chunk.shape[2] * j // count for j in range(count + 1)]
         return [_ring.put_in_slot_order(by_chunk[:, :, a:b], schedule).reshape(-1)
-                for a, b in zip(edges[:-1], edges[1:])]
+                for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
     if variant.name == PERMUTE_STEP:
         def body(x: Any, key: Any) -> Any:
@@ -334,7 +337,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
             chunk = x[: x.shape[0] // n]
             edges = [chunk.shape[0] * j // pieces for j in range(pieces + 1)]
             return jnp.concatenate([lax.ppermute(chunk[a:b], AXIS, ring_perm)
-                                    for a, b in zip(edges[:-1], edges[1:])])
+                                    for a, b in zip(edges[:-1], edges[1:], strict=True)])
         out_spec = P(AXIS)
     elif variant.name == ALL_GATHER:
         def body(x: Any, key: Any) -> Any:
@@ -390,8 +393,9 @@ def source_version() -> dict[str, Any]:
 
     package = _REPO_ROOT / "skipreduce_jax"
     digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0"
+                      + path.read_bytes())
     info: dict[str, Any] = {"skipreduce_jax_sha256": digest.hexdigest()[:16]}
 
     def git(*cmd: str) -> str | None:
@@ -599,7 +603,7 @@ def format_table(rows: Sequence[dict[str, Any]], rate: float | None = None) -> s
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     out = [fmt(headers), fmt(["-" * w for w in widths])]
     out += [fmt(line) for line in lines]
@@ -695,7 +699,7 @@ def plot(rows: Sequence[dict[str, Any]], n: int, path: Path, title: str) -> None
     cols = min(len(sizes), 4)
     nrows = -(-len(sizes) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
-    for ax, size in zip(axes.flat, sizes):
+    for ax, size in zip(axes.flat, sizes, strict=False):
         at = [r for r in rows if r["size"] == size]
         ring = next(r for r in at if r["kind"] == "ring")
         psum = next(r for r in at if r["kind"] == "psum")
@@ -747,8 +751,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if h.n < 2:
         raise SystemExit(f"N = {h.n}: a ring needs at least 2 devices (--devices, or "
                          "more processes)")
-    if args.sizes is None:
-        args.sizes = parse_sizes(DEFAULT_SIZES if multiprocess else DEFAULT_SIZES_IN_PROCESS)
+    try:
+        args.sizes = parse_sizes(args.sizes or (DEFAULT_SIZES if multiprocess
+                                                else DEFAULT_SIZES_IN_PROCESS))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--sizes: {e}") from None
     if min(args.sizes) < h.n:
         raise SystemExit(f"--sizes: every size must be at least N = {h.n} elements per "
                          "rank (one per ring chunk)")
@@ -766,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": args.sizes, "rounds": args.rounds, "warmup": args.warmup,
         "gather": args.gather, "seed": args.seed, "jax": jax.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "timing": "per call: barrier (tiny psum), then the call until block_until_ready; "
                   "the max over processes; median/IQR over interleaved rounds",
         "load_average_start": os.getloadavg(),
