@@ -82,7 +82,8 @@ import pathlib
 import sys
 import textwrap
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -148,7 +149,8 @@ class Data:
 
 def shifted(images: np.ndarray, radius: int) -> np.ndarray:
     """Every 8x8 image moved by each ``(dy, dx)`` in ``[-radius, radius]^2``
-    (zero-filled): ``[(2 radius + 1)^2 * n, 64]``, shift-major."""
+    (zero-filled): ``[(2 radius + 1)^2 * n, 64]``, shift-major.
+    """
     r = radius
     padded = np.pad(images.reshape(-1, 8, 8), ((0, 0), (r, r), (r, r)))
     return np.concatenate([
@@ -238,7 +240,8 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
 
 def start_runtime(devices: int) -> None:
     """Joins the multi-process job if a runner started one; else asks for
-    ``devices`` simulated CPU devices. Call before any other JAX use."""
+    ``devices`` simulated CPU devices. Call before any other JAX use.
+    """
     single = not (distributed.launcher_env_present()
                   or os.environ.get("JAX_COORDINATOR_ADDRESS"))
     if single and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -248,7 +251,8 @@ def start_runtime(devices: int) -> None:
 
 def data_mesh() -> jax.sharding.Mesh:
     """A 1-D mesh over every device of the job (the CPU devices if the
-    default platform has only one device)."""
+    default platform has only one device).
+    """
     devices = jax.devices()
     if len(devices) == 1 and jax.process_count() == 1:
         devices = jax.devices("cpu")
@@ -341,7 +345,8 @@ class Trainer:
 
     def batch(self, t: int) -> tuple[jax.Array, jax.Array]:
         """Step t's global batch (rank r's rows are ``[r*B, (r+1)*B)``),
-        the same for every variant and process."""
+        the same for every variant and process.
+        """
         rng = np.random.default_rng((self.args.seed, t))
         idx = rng.integers(0, len(self.data.y_train),
                            size=self.n * self.args.batch_per_rank)
@@ -456,7 +461,8 @@ def run_variant(trainer: Trainer, variant: Variant,
 def reduction_only(tx: optax.GradientTransformation,
                    mesh: jax.sharding.Mesh) -> Callable:
     """``(params, state) -> (updates, state)``: ``tx`` alone on per-rank
-    gradients shaped like ``params`` (rank r's are ``(r + 1) * params``)."""
+    gradients shaped like ``params`` (rank r's are ``(r + 1) * params``).
+    """
 
     def local(params, state):
         scale = 1.0 + lax.axis_index(AXIS).astype(jnp.float32)
@@ -534,7 +540,8 @@ def parts_table(parts: dict[str, dict[str, float]]) -> str:
 
 def smoothed(values: Sequence[float], window: int) -> list[float]:
     """The trailing mean over the last ``window`` evaluations (fewer at the
-    start): one test-set evaluation moves by a sample or two."""
+    start): one test-set evaluation moves by a sample or two.
+    """
     return [float(np.mean(values[max(0, i + 1 - window):i + 1]))
             for i in range(len(values))]
 
@@ -569,7 +576,8 @@ def summarize(results: dict[str, dict[str, Any]], tolerance: float,
     """Adds smoothed final values, the times to the all-reduce's final
     accuracy and test loss, the speedups over the all-reduce's own times
     and byte ratios; returns the accuracy target: the all-reduce's smoothed
-    final accuracy minus ``tolerance``."""
+    final accuracy minus ``tolerance``.
+    """
     for r in results.values():
         r["final_acc_smoothed"] = smoothed(r["history"]["acc"], window)[-1]
         r["final_loss_smoothed"] = smoothed(r["history"]["loss"], window)[-1]
@@ -756,7 +764,8 @@ def write_json(args: argparse.Namespace, trainer: Trainer,
 def resummarize(path: pathlib.Path, args: argparse.Namespace) -> str:
     """The targets line and table of an earlier run, recomputed from its
     histories with its own ``tolerance`` and ``smooth`` settings (those of
-    ``args`` where an older JSON does not record them)."""
+    ``args`` where an older JSON does not record them).
+    """
     with open(path) as f:
         saved = json.load(f)
     config, results = saved["config"], saved["results"]

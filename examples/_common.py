@@ -7,7 +7,8 @@ effect if it runs before JAX initialises its backends.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 

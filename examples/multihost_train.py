@@ -32,10 +32,10 @@ import argparse
 import hashlib
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from skipreduce_jax.distributed import (cluster_detected, initialize,
-                                        launcher_env_present)
+from skipreduce_jax.distributed import cluster_detected, initialize, launcher_env_present
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 SIMULATED_DEVICES = 8

@@ -47,7 +47,8 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import _common
 

@@ -50,8 +50,9 @@ import json
 import math
 import sysconfig
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import _common
 

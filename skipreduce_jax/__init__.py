@@ -23,6 +23,10 @@ from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import make_schedule as make_schedule
+from skipreduce_jax._selection import by_path as by_path
+from skipreduce_jax._selection import exclude as exclude
+from skipreduce_jax._stats import CommStats as CommStats
+from skipreduce_jax._stats import comm_stats as comm_stats
 from skipreduce_jax._training import check_settings_agree as check_settings_agree
 from skipreduce_jax._training import init_opt_state as init_opt_state
 from skipreduce_jax._training import local_grad as local_grad
@@ -32,10 +36,6 @@ from skipreduce_jax._training import replicate as replicate
 from skipreduce_jax._training import shard_batch as shard_batch
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
-from skipreduce_jax._selection import by_path as by_path
-from skipreduce_jax._selection import exclude as exclude
-from skipreduce_jax._stats import CommStats as CommStats
-from skipreduce_jax._stats import comm_stats as comm_stats
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState
 from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize

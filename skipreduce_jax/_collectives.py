@@ -26,8 +26,7 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _ring, _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from skipreduce_jax._schedule import SkipSchedule, make_schedule
-from skipreduce_jax._vma import (all_gather_replicated, cast_varying,
-                                 varying_axes, vma_checked)
+from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
 
 Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = {"contributors": "divide by the N - k ranks summed",

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax._checks import axis_size
 from skipreduce_jax._vma import cast_varying, vma_checked
 
-
 # Two seeds: two independent 32-bit checksums per leaf.
 _SEEDS = (0x2545F491, 0x9E3779B9)
 

@@ -15,7 +15,8 @@ feedback). The protocol:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

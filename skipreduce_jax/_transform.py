@@ -28,6 +28,7 @@ from jax import lax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
+from skipreduce_jax import _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
@@ -238,13 +239,12 @@ def _make_config(
                                 allow_none=True, type_error=ValueError,
                                 allowed="an int >= 0 (or None)",
                                 what="(at most N - 1, checked at trace time)")
-    if skip_ratio is not None and (isinstance(skip_ratio, bool) or not
-                                   isinstance(skip_ratio, (int, float,
-                                                           np.integer,
-                                                           np.floating)) or
-                                   not 0.0 <= skip_ratio <= 1.0):
-        raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number in "
-                         "[0, 1].")
+    if skip_ratio is not None:
+        try:
+            skip_ratio = checks.check_real(skip_ratio, "skip_ratio", maximum=1.0)
+        except (TypeError, ValueError):
+            raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number "
+                             "in [0, 1].") from None
     if normalize is None:
         normalize = "world" if error_feedback else "contributors"
     coll.check_normalize(normalize, api=_API)
@@ -277,7 +277,7 @@ def _make_config(
     # Plain Python values, so that equal settings have equal fingerprints.
     return _Config(
         axis_name=axis_name, num_skip=num_skip,
-        skip_ratio=None if skip_ratio is None else float(skip_ratio),
+        skip_ratio=skip_ratio,
         seed=seed, normalize=normalize, selective=selective,
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
@@ -325,6 +325,11 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         leaves = [g + r[0].astype(g.dtype) if s else g
                   for g, r, s in zip(leaves, residuals, skippable)]
     picked = [g for g, s in zip(leaves, skippable) if s]
+    # How params are sharded over the compiler's axes, where the training
+    # helpers recorded it (their gradients are sharded alike).
+    param_specs = _shards.specs_of_params(params)
+    picked_specs = (None if param_specs is None or len(param_specs) != len(leaves)
+                    else [p for p, s in zip(param_specs, skippable) if s])
 
     def full(picked):
         out = _full_pmean(picked, axes, config.accumulate_dtype)
@@ -336,7 +341,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
                   inner_axis=config.inner_axis,
                   chunks_per_rank=config.chunks_per_rank,
-                  bucket_bytes=config.bucket_bytes)
+                  bucket_bytes=config.bucket_bytes, specs=picked_specs)
         kw.update(normalize=config.normalize,
                   accumulate_dtype=config.accumulate_dtype)
         if residuals is None:

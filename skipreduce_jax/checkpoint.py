@@ -75,14 +75,16 @@ def _skip_states(opt_state: Any) -> list[tuple[str, SkipReduceState]]:
 
 def _without_empty(tree: Any) -> Any:
     """``tree`` with zero-size leaves replaced by None (orbax refuses them;
-    e.g. the ``[N, 0]`` residual of a leaf that is never skipped)."""
+    e.g. the ``[N, 0]`` residual of a leaf that is never skipped).
+    """
     return jax.tree_util.tree_map(
         lambda x: None if np.size(x) == 0 else x, tree)
 
 
 def _with_empty(restored: Any, like: Any) -> Any:
     """Puts back the zero-size leaves of ``like`` that ``_without_empty``
-    left out, with their shape, dtype and sharding."""
+    left out, with their shape, dtype and sharding.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(like)
     stored = iter(jax.tree_util.tree_leaves(restored))
 

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import collectives as cb  # noqa: E402
 import skipreduce_jax as sr  # noqa: E402
+from benchmarks import collectives as cb  # noqa: E402
 from skipreduce_jax._buckets import plan_buckets  # noqa: E402
 from skipreduce_jax._ring import put_in_slot_order  # noqa: E402
 

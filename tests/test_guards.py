@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import per_rank
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import per_rank
 
 N = 8
 

@@ -25,12 +25,12 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers import assert_all_dead, launcher_results
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
 from skipreduce_jax import distributed
-from helpers import assert_all_dead, launcher_results
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"

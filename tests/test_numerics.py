@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import per_rank
 from jax import lax
 
 import skipreduce_jax as sr
-from helpers import per_rank
 
 N = 8
 UNIT_ROUNDOFF = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}

@@ -31,12 +31,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import per_rank, popcount
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import skipreduce_jax as sr
-from helpers import per_rank, popcount
 
 DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 COLLECTIVE_EXAMPLES = 30

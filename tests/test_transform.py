@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import bit_inputs, line_mesh, per_rank, popcount
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import bit_inputs, line_mesh, per_rank, popcount
 
 N = 8
 

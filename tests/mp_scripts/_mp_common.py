@@ -15,7 +15,8 @@ import functools
 import hashlib
 import pathlib
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -32,6 +32,7 @@ from skipreduce_jax.distributed import initialize, process_info
 expected_procs, expected_local = int(sys.argv[1]), int(sys.argv[2])
 initialize()
 
+import _mp_common as common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -39,7 +40,6 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import _mp_common as common  # noqa: E402
 import skipreduce_jax as sr  # noqa: E402
 
 start = time.monotonic()

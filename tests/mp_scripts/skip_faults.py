@@ -32,9 +32,9 @@ from skipreduce_jax.distributed import initialize  # noqa: E402
 
 initialize()
 
+import _mp_common as common  # noqa: E402
 import jax  # noqa: E402
 
-import _mp_common as common  # noqa: E402
 import skipreduce_jax as sr  # noqa: E402
 
 n = jax.device_count()
