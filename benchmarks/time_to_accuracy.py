@@ -1,4 +1,4 @@
-"""Time to accuracy: SkipReduce against top-k and PowerSGD on a wide MLP.
+r"""Time to accuracy: SkipReduce against top-k and PowerSGD on a wide MLP.
 
 A communication-bound workload: an MLP on scikit-learn's digits (64 inputs,
 10 classes; by default each image also shifted by one pixel in every
@@ -60,7 +60,7 @@ Two modes:
   settings from the ``SKIPREDUCE_*`` environment variables of
   ``python -m skipreduce_jax.launch`` or another runner, for example::
 
-      python -m skipreduce_jax.launch -n 4 benchmarks/time_to_accuracy.py \\
+      python -m skipreduce_jax.launch -n 4 benchmarks/time_to_accuracy.py \
           --time-budget 60
 
   Every process runs the same arguments and the same steps; when to
@@ -131,8 +131,9 @@ class MLP(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    """The digits, split 75/25 (stratified), each split optionally grown by
-    shifted copies (:func:`shifted`).
+    """The digits, split 75/25 (stratified).
+
+    Each split is optionally grown by shifted copies (:func:`shifted`).
 
     Attributes:
       x_train: float32 [n_train, 64] in [0, 1].
@@ -148,8 +149,9 @@ class Data:
 
 
 def shifted(images: np.ndarray, radius: int) -> np.ndarray:
-    """Every 8x8 image moved by each ``(dy, dx)`` in ``[-radius, radius]^2``
-    (zero-filled): ``[(2 radius + 1)^2 * n, 64]``, shift-major.
+    """Every 8x8 image moved by each ``(dy, dx)`` in ``[-radius, radius]^2``.
+
+    The shifted images are zero-filled: ``[(2 radius + 1)^2 * n, 64]``, shift-major.
     """
     r = radius
     padded = np.pad(images.reshape(-1, 8, 8), ((0, 0), (r, r), (r, r)))
@@ -239,8 +241,9 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
 
 
 def start_runtime(devices: int) -> None:
-    """Joins the multi-process job if a runner started one; else asks for
-    ``devices`` simulated CPU devices. Call before any other JAX use.
+    """Joins the multi-process job if a runner started one.
+
+    Otherwise asks for ``devices`` simulated CPU devices. Call before any other JAX use.
     """
     single = not (distributed.launcher_env_present()
                   or os.environ.get("JAX_COORDINATOR_ADDRESS"))
@@ -250,8 +253,9 @@ def start_runtime(devices: int) -> None:
 
 
 def data_mesh() -> jax.sharding.Mesh:
-    """A 1-D mesh over every device of the job (the CPU devices if the
-    default platform has only one device).
+    """A 1-D mesh over every device of the job.
+
+    The CPU devices are used if the default platform has only one device.
     """
     devices = jax.devices()
     if len(devices) == 1 and jax.process_count() == 1:
@@ -277,8 +281,7 @@ def replicated_copy(tree: Any, device: Any) -> Any:
 def make_step(loss_fn: Callable[[Any, Any], jax.Array],
               tx: optax.GradientTransformation,
               mesh: jax.sharding.Mesh) -> Callable:
-    """The jitted step ``(params, state, batch, clock) -> (params, state,
-    stats)``.
+    """The jitted step ``(params, state, batch, clock) -> (params, state, stats)``.
 
     ``clock`` is float32 [N], each rank holding its process's training time;
     ``stats`` is float32 [2]: the mean loss and the mean clock over the
@@ -344,8 +347,9 @@ class Trainer:
         return sum(x.size for x in jax.tree_util.tree_leaves(self.params0))
 
     def batch(self, t: int) -> tuple[jax.Array, jax.Array]:
-        """Step t's global batch (rank r's rows are ``[r*B, (r+1)*B)``),
-        the same for every variant and process.
+        """Step t's global batch, the same for every variant and process.
+
+        Rank r's rows are ``[r*B, (r+1)*B)``.
         """
         rng = np.random.default_rng((self.args.seed, t))
         idx = rng.integers(0, len(self.data.y_train),
@@ -422,7 +426,7 @@ def run_variant(trainer: Trainer, variant: Variant,
 
     def record(seconds: float, step: int, train_loss: float | None) -> None:
         acc, loss = trainer.evaluate(params)
-        for key, value in zip(history, (seconds, step, acc, loss, train_loss)):
+        for key, value in zip(history, (seconds, step, acc, loss, train_loss), strict=True):
             history[key].append(value)
 
     record(0.0, 0, None)
@@ -460,8 +464,9 @@ def run_variant(trainer: Trainer, variant: Variant,
 
 def reduction_only(tx: optax.GradientTransformation,
                    mesh: jax.sharding.Mesh) -> Callable:
-    """``(params, state) -> (updates, state)``: ``tx`` alone on per-rank
-    gradients shaped like ``params`` (rank r's are ``(r + 1) * params``).
+    """``(params, state) -> (updates, state)``: ``tx`` alone on per-rank gradients.
+
+    The gradients are shaped like ``params`` (rank r's are ``(r + 1) * params``).
     """
 
     def local(params, state):
@@ -481,8 +486,9 @@ def reduction_only(tx: optax.GradientTransformation,
 
 def time_parts(trainer: Trainer, variants: Sequence[Variant], rounds: int,
                calls: int = 3) -> dict[str, dict[str, float]]:
-    """Median ms of each variant's whole training step and of its reduction
-    alone, timed in interleaved rounds (the first is a warm-up).
+    """Median ms of each variant's whole training step and of its reduction alone.
+
+    Both are timed in interleaved rounds (the first is a warm-up).
 
     The reduction runs in the steady state (``Variant.accounting``: PowerSGD
     without warm-up). "rest" = step - reduction: the forward and backward
@@ -539,8 +545,9 @@ def parts_table(parts: dict[str, dict[str, float]]) -> str:
 
 
 def smoothed(values: Sequence[float], window: int) -> list[float]:
-    """The trailing mean over the last ``window`` evaluations (fewer at the
-    start): one test-set evaluation moves by a sample or two.
+    """The trailing mean over the last ``window`` evaluations (fewer at the start).
+
+    One test-set evaluation moves by a sample or two.
     """
     return [float(np.mean(values[max(0, i + 1 - window):i + 1]))
             for i in range(len(values))]
@@ -548,8 +555,10 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
 
 def reached(history: dict[str, list[float]], target: float, window: int = 1,
             metric: str = "acc") -> tuple[float, float] | None:
-    """When the smoothed ``metric`` first reaches ``target`` (accuracy: >=,
-    loss: <=): ``(time, step)``, or None if it never does.
+    """When the smoothed ``metric`` first reaches ``target``.
+
+    Reaching means accuracy >= or loss <= ``target``; returns ``(time, step)``,
+    or None if it never does.
 
     Each smoothed value stands at the mean time and mean step of its window
     (a trailing mean read at the window's last point would lag by about half
@@ -573,10 +582,11 @@ def reached(history: dict[str, list[float]], target: float, window: int = 1,
 
 def summarize(results: dict[str, dict[str, Any]], tolerance: float,
               window: int = 1) -> float | None:
-    """Adds smoothed final values, the times to the all-reduce's final
-    accuracy and test loss, the speedups over the all-reduce's own times
-    and byte ratios; returns the accuracy target: the all-reduce's smoothed
-    final accuracy minus ``tolerance``.
+    """Adds smoothed final values, times to target, speedups and byte ratios.
+
+    The times are those to the all-reduce's final accuracy and test loss, the
+    speedups are over the all-reduce's own times. Returns the accuracy target:
+    the all-reduce's smoothed final accuracy minus ``tolerance``.
     """
     for r in results.values():
         r["final_acc_smoothed"] = smoothed(r["history"]["acc"], window)[-1]
@@ -629,7 +639,7 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
 
     def line(row: list[str]) -> str:
         return "  ".join([row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:])])
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
 
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] +
                      [line(r) for r in cells[1:]])
@@ -762,8 +772,9 @@ def write_json(args: argparse.Namespace, trainer: Trainer,
 
 
 def resummarize(path: pathlib.Path, args: argparse.Namespace) -> str:
-    """The targets line and table of an earlier run, recomputed from its
-    histories with its own ``tolerance`` and ``smooth`` settings (those of
+    """The targets line and table of an earlier run, recomputed from its histories.
+
+    The run's own ``tolerance`` and ``smooth`` settings are used (those of
     ``args`` where an older JSON does not record them).
     """
     with open(path) as f:

@@ -481,7 +481,7 @@ def results_table(report: dict[str, Any]) -> str:
     results = report["results"]
     base = results.get("allreduce")
     rows = []
-    for variant, r in results.items():
+    for r in results.values():
         comm = r["comm"]
         delta = (f"{r['final_val_loss'] - base['final_val_loss']:+.4f}"
                  if base else "-")
@@ -513,8 +513,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if base else 1, figsize=(12 if base else 7, 4.5),
                              squeeze=False)
     loss_ax = axes[0, 0]
-    for variant, r in results.items():
-        steps, vals = zip(*r["evals"])
+    for r in results.values():
+        steps, vals = zip(*r["evals"], strict=True)
         label = f"{r['label']} (bytes ratio {r['comm']['ratio']:.2f})"
         loss_ax.plot(steps, vals, marker="o", markersize=3, label=label)
         if base:

@@ -126,8 +126,9 @@ def gather(
 
 def _place(out: jax.Array, chunk_values: jax.Array, chunk: jax.Array,
            schedule: SkipSchedule) -> jax.Array:
-    """Writes ring chunk ``chunk`` (``[C, m]``) into ``out`` (``[N slots, C,
-    m]``), each column at its slot: the ring gather copies every chunk it
+    """Writes ring chunk ``chunk`` (``[C, m]``) into ``out`` (``[N slots, C, m]``).
+
+    Each column goes to its slot: the ring gather copies every chunk it
     receives anyway, so it puts randomized columns in place for free.
     """
     if not schedule.randomized:

@@ -74,16 +74,19 @@ def _skip_states(opt_state: Any) -> list[tuple[str, SkipReduceState]]:
 
 
 def _without_empty(tree: Any) -> Any:
-    """``tree`` with zero-size leaves replaced by None (orbax refuses them;
-    e.g. the ``[N, 0]`` residual of a leaf that is never skipped).
+    """``tree`` with zero-size leaves replaced by None.
+
+    Orbax refuses zero-size leaves, e.g. the ``[N, 0]`` residual of a leaf that
+    is never skipped.
     """
     return jax.tree_util.tree_map(
         lambda x: None if np.size(x) == 0 else x, tree)
 
 
 def _with_empty(restored: Any, like: Any) -> Any:
-    """Puts back the zero-size leaves of ``like`` that ``_without_empty``
-    left out, with their shape, dtype and sharding.
+    """Puts back the zero-size leaves of ``like`` that ``_without_empty`` left out.
+
+    Each gets its shape, dtype and sharding back.
     """
     leaves, treedef = jax.tree_util.tree_flatten(like)
     stored = iter(jax.tree_util.tree_leaves(restored))
@@ -211,7 +214,7 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
             f"restore: checkpoint step {step} holds {len(saved_states)} "
             f"skip_reduce state(s) but opt_state_like holds "
             f"{len(like_states)}: the optimizer is built differently.")
-    for entry, (path, state) in zip(saved_states, like_states):
+    for entry, (path, state) in zip(saved_states, like_states, strict=True):
         where = f"opt_state{path}"
         want = _value(state.fingerprint)
         if want is not None and entry["fingerprint"] != want:
