@@ -139,7 +139,20 @@ def plan_buckets(
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+    buckets = []
+    for dtype, indices in _group(shapes, dtypes, bucket_bytes):
+        size = sum(math.prod(shapes[i]) for i in indices)
+        ranks = group_size * slot_divisor
+        chunks = chunks_per_rank or _chunks_without_padding(size, ranks)
+        multiple = ranks * chunks
+        padded = -(-size // multiple) * multiple
+        buckets.append(Bucket(dtype, tuple(indices), size, padded, chunks))
+    return BucketPlan(treedef, shapes, dtypes, tuple(buckets))
 
+
+def _group(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype],
+           bucket_bytes: int) -> list[tuple[np.dtype, list[int]]]:
+    """Leaf indices per bucket: same dtype, tree order, at most the cap."""
     groups: dict[np.dtype, list[list[int]]] = {}
     open_bucket: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
@@ -158,17 +171,84 @@ def plan_buckets(
             filled[dtype] = 0
         open_bucket[dtype].append(i)
         filled[dtype] += nbytes
+    return [(dtype, indices) for dtype, lists in groups.items()
+            for indices in lists]
 
-    buckets = []
-    for dtype, index_lists in groups.items():
-        for indices in index_lists:
-            size = sum(math.prod(shapes[i]) for i in indices)
-            ranks = group_size * slot_divisor
-            chunks = chunks_per_rank or _chunks_without_padding(size, ranks)
-            multiple = ranks * chunks
-            padded = -(-size // multiple) * multiple
-            buckets.append(Bucket(dtype, tuple(indices), size, padded, chunks))
-    return BucketPlan(treedef, shapes, dtypes, tuple(buckets))
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Leaves split into N blocks along their leading axis, for a reduce-scatter.
+
+    Block r of every leaf goes to rank r. A leaf of leading size L is padded
+    with zero rows to ``N * ceil(L / N)``; the leaves of one bucket are laid
+    side by side in a ``[N, M]`` buffer, row r holding every leaf's block r.
+
+    Attributes:
+      treedef: the tree structure.
+      shapes: the shape of every leaf.
+      dtypes: the dtype of every leaf.
+      group_size: N.
+      buckets: leaf indices of each buffer, with its dtype.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    group_size: int
+    buckets: tuple[tuple[np.dtype, tuple[int, ...]], ...]
+
+    def block_shape(self, i: int) -> tuple[int, ...]:
+        """The shape of one block of leaf ``i``: ``[ceil(L / N), ...]``."""
+        shape = self.shapes[i]
+        return (-(-shape[0] // self.group_size),) + shape[1:]
+
+    def pack(self, leaves: Sequence[jax.Array], bucket: int) -> jax.Array:
+        """The ``[N, M]`` buffer of one bucket."""
+        n = self.group_size
+        rows = []
+        for i in self.buckets[bucket][1]:
+            leaf = jnp.asarray(leaves[i])
+            pad = n * self.block_shape(i)[0] - leaf.shape[0]
+            if pad:
+                leaf = jnp.pad(leaf, [(0, pad)] + [(0, 0)] * (leaf.ndim - 1))
+            rows.append(leaf.reshape(n, -1))
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+    def unpack(self, rows: Sequence[jax.Array], *,
+               fill: Callable[[int], jax.Array]) -> Any:
+        """This rank's blocks, from one ``[M]`` row per bucket, as a tree.
+
+        ``fill(i)`` makes the block of leaf ``i`` that was not packed.
+        """
+        blocks: list[Any] = [None] * len(self.shapes)
+        for (_, indices), row in zip(self.buckets, rows):
+            start = 0
+            for i in indices:
+                size = math.prod(self.block_shape(i))
+                blocks[i] = row[start:start + size].reshape(self.block_shape(i))
+                start += size
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [fill(i) if b is None else b for i, b in enumerate(blocks)])
+
+
+def plan_blocks(tree: Any, *, group_size: int,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BlockPlan:
+    """Plans the ``[N, M]`` buffers of a reduce-scatter (see :class:`BlockPlan`).
+
+    Args:
+      tree: a pytree of arrays with a leading axis (or ShapeDtypeStructs).
+      group_size: N, the ranks the leading axis is split over.
+      bucket_bytes: the byte cap of one buffer.
+
+    Returns:
+      The :class:`BlockPlan`.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shapes = tuple(tuple(np.shape(x)) for x in leaves)
+    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+    buckets = tuple((dtype, tuple(indices))
+                    for dtype, indices in _group(shapes, dtypes, bucket_bytes))
+    return BlockPlan(treedef, shapes, dtypes, group_size, buckets)
 
 
 def _chunks_without_padding(size: int, ranks: int) -> int:

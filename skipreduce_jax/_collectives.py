@@ -24,8 +24,19 @@ from jax import lax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _ring, _shards
-from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
-from skipreduce_jax._schedule import SkipSchedule, make_schedule
+from skipreduce_jax._buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BlockPlan,
+    BucketPlan,
+    plan_blocks,
+    plan_buckets,
+)
+from skipreduce_jax._schedule import (
+    ScatterSchedule,
+    SkipSchedule,
+    make_scatter_schedule,
+    make_schedule,
+)
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
 
 Normalize = Literal["contributors", "world"]
@@ -629,3 +640,170 @@ def contribution_mask(
         masks.append(jnp.tile(shard_mask, inner) if inner > 1 else shard_mask)
     return plan.unpack(masks, fill=lambda i: jnp.ones(plan.shapes[i], jnp.bool_))
 
+
+
+# ----------------------------------------------------------------------------
+# The skipped reduce-scatter (FSDP over the data axis).
+# ----------------------------------------------------------------------------
+
+
+def _scatter_plan(x: Any, axis_name: str, *, num_skip: int, key: Any,
+                  randomize: bool, bucket_bytes: int, api: str
+                  ) -> tuple[BlockPlan, list[ScatterSchedule], list[jax.Array]]:
+    n = checks.axis_size(axis_name, api=api)
+    checks.check_bool(randomize, "randomize", api=api,
+                      meaning="False: static SkipReduce")
+    num_skip = checks.check_num_skip(num_skip, n, api=api)
+    bucket_bytes = checks.check_int(bucket_bytes, "bucket_bytes", api=api,
+                                    minimum=1, type_error=ValueError)
+    leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(x)]
+    for leaf in leaves:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{api}: got a scalar leaf; a reduce-scatter splits each leaf "
+                "along its leading axis. Reduce scalars with lax.psum.")
+    needs_key = randomize and num_skip > 0
+    if needs_key or key is not None:
+        key = as_typed_key(key, api=api)
+        _check_key_replicated(key, (axis_name,), api)
+    plan = plan_blocks(x, group_size=n, bucket_bytes=bucket_bytes)
+    schedules = [
+        make_scatter_schedule(
+            n, num_skip=num_skip, randomize=randomize,
+            key=jax.random.fold_in(key, i) if needs_key else None)
+        for i in range(len(plan.buckets))]
+    return plan, schedules, leaves
+
+
+def _scatter(x: Any, axis_name: str, *, key: Any, num_skip: int, randomize: bool,
+             scale: float | None, bucket_bytes: int, accumulate_dtype: Any,
+             api: str) -> Any:
+    """The shared body of the skipped reduce-scatters."""
+    for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
+        if leaf.dtype == jnp.bool_:
+            raise TypeError(f"{api}: got a bool leaf; cast it to an integer "
+                            "dtype to count.")
+    plan, schedules, leaves = _scatter_plan(
+        x, axis_name, num_skip=num_skip, key=key, randomize=randomize,
+        bucket_bytes=bucket_bytes, api=api)
+    accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
+    if vma_checked(axis_name):
+        leaves = [cast_varying(leaf, (axis_name,)) for leaf in leaves]
+    rows = []
+    for bucket, (dtype, _) in enumerate(plan.buckets):
+        acc_dtype = summed_dtype(dtype, accumulate_dtype)
+        row = _ring.reduce_scatter_to_owners(
+            plan.pack(leaves, bucket), schedules[bucket], axis_name,
+            accumulate_dtype=acc_dtype)
+        if scale is not None:
+            row = row * jnp.asarray(scale, acc_dtype)
+        rows.append(row.astype(dtype))
+    def zeros(i):  # a zero-size leaf's block, typed like the others
+        block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])
+        return cast_varying(block, (axis_name,)) if vma_checked(axis_name) else block
+
+    return plan.unpack(rows, fill=zeros)
+
+
+def skip_psum_scatter(
+    x: Any,
+    axis_name: str,
+    *,
+    key: Any,
+    num_skip: int,
+    randomize: bool = True,
+    rescale: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    accumulate_dtype: Any = None,
+) -> Any:
+    """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
+
+    The reduce-scatter of ``lax.psum_scatter(x, axis_name,
+    scatter_dimension=0, tiled=True)``, with k of its N - 1 sends skipped:
+    rank r receives block r of every leaf summed over itself and N - 1 - k
+    other ranks, and each device sends (N - 1 - k) / N of the buffer instead
+    of (N - 1) / N. A leaf of leading size L is padded to ``N * ceil(L / N)``
+    rows (block r is rows ``r * ceil(L / N)`` onwards; padding rows are zero).
+
+    Static (``randomize=False``) always sums the ring's N - 1 - k nearest
+    predecessors. Random: the shared ``key`` picks which N - 1 - k of the
+    other ranks are summed, per buffer, so each is left out with probability
+    k / (N - 1); the program is the same for every key (see
+    :func:`scatter_contribution_mask`).
+
+    Args:
+      x: a pytree of arrays (floating or integer) with a leading axis.
+      axis_name: the mesh axis to reduce over.
+      key: a PRNG key identical on every rank (None for static or k = 0).
+      num_skip: k, a Python int in [0, N - 1].
+      randomize: False is static: the same ranks are left out whatever the key.
+      rescale: multiply by N / (N - k).
+      bucket_bytes: the byte cap of one packed buffer.
+      accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
+
+    Returns:
+      This rank's blocks, ``[ceil(L / N), ...]`` per leaf, varying per rank.
+
+    Example:
+      >>> def f(g):
+      ...     return skip_psum_scatter(g, "data", key=jax.random.key(0), num_skip=0)
+      >>> g = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P()))
+      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"))(g)
+      >>> out.shape, float(out[0, 0])  # block r of the sum over all 8 ranks
+      ((8, 16), 8.0)
+    """
+    api = "skip_psum_scatter"
+    checks.check_bool(rescale, "rescale", api=api,
+                      meaning="True: multiply the sum by N / (N - k)")
+    scale = None
+    if rescale:
+        n = checks.axis_size(axis_name, api=api)
+        scale = n / (n - checks.check_num_skip(num_skip, n, api=api))
+    return _scatter(x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
+                    scale=scale, bucket_bytes=bucket_bytes,
+                    accumulate_dtype=accumulate_dtype, api=api)
+
+
+def scatter_contribution_mask(
+    x: Any,
+    axis_name: str,
+    *,
+    key: Any,
+    num_skip: int,
+    randomize: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Any:
+    """Which of this rank's values :func:`skip_psum_scatter` sums.
+
+    It asks the same block plan and schedules, so the two always agree.
+
+    Args:
+      x: the pytree passed to :func:`skip_psum_scatter`.
+      axis_name: as there.
+      key: as there.
+      num_skip: as there.
+      randomize: as there.
+      bucket_bytes: as there.
+
+    Returns:
+      A pytree of bool arrays shaped like ``x``: True where this rank's value
+      is summed into its owner's block (padding rows excluded).
+    """
+    api = "scatter_contribution_mask"
+    plan, schedules, leaves = _scatter_plan(
+        x, axis_name, num_skip=num_skip, key=key, randomize=randomize,
+        bucket_bytes=bucket_bytes, api=api)
+    rank = lax.axis_index(axis_name)
+    per_block = {i: s.contributes(rank)
+                 for (_, indices), s in zip(plan.buckets, schedules) for i in indices}
+
+    def mask(i, leaf):
+        if i not in per_block:
+            return jnp.ones(leaf.shape, jnp.bool_)
+        rows = plan.block_shape(i)[0]
+        by_row = jnp.repeat(per_block[i], rows)[:leaf.shape[0]]
+        return jnp.broadcast_to(by_row.reshape((-1,) + (1,) * (leaf.ndim - 1)),
+                                leaf.shape)
+
+    return jax.tree_util.tree_unflatten(
+        plan.treedef, [mask(i, leaf) for i, leaf in enumerate(leaves)])

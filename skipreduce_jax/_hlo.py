@@ -87,7 +87,7 @@ class CollectiveOp:
       shape: the op's (first) result shape.
       group_size: devices in the op's replica group (2 for a permute).
       count: how many times it runs per call (while-loop trip counts
-        multiplied; every branch of a conditional is counted, an upper bound).
+        multiplied; of a conditional only the branch that sends the most counts).
       bytes_per_device: bytes each device sends per call, all runs included.
     """
 
@@ -342,7 +342,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
         _PARTITIONS.search(compiled_text), _REPLICAS.search(compiled_text)))
     devices = partitions * replicas
 
-    def visit(name: str, multiplier: int, depth: int = 0):
+    def visit(name: str, multiplier: int, ops: list[CollectiveOp], depth: int = 0):
         if depth > 64 or name not in computations:
             return
         for line in computations[name]:
@@ -364,11 +364,15 @@ def collective_traffic(compiled_text: str) -> Traffic:
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1
-                visit(callee, multiplier * times, depth + 1)
+                visit(callee, multiplier * times, ops, depth + 1)
             branches = _BRANCHES.search(line)
             if branches:
+                # One branch runs: count the one that sends the most.
+                taken: list[list[CollectiveOp]] = []
                 for callee in branches.group(1).split(","):
-                    visit(callee.strip().lstrip("%"), multiplier, depth + 1)
+                    taken.append([])
+                    visit(callee.strip().lstrip("%"), multiplier, taken[-1], depth + 1)
+                ops.extend(max(taken, key=lambda b: sum(o.bytes_per_device for o in b)))
 
-    visit(entry, 1)
+    visit(entry, 1, ops)
     return Traffic(tuple(ops))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from skipreduce_jax._schedule import SkipSchedule
+from skipreduce_jax._schedule import ScatterSchedule, SkipSchedule, make_schedule
 from skipreduce_jax._vma import all_gather_replicated
 
 Gather = Literal["native", "ring"]
@@ -76,6 +76,56 @@ def reduce_scatter(
         return _shift_right(acc, axis_name, n) + own_piece(step)
 
     return _loop(last, body, own_piece(0))
+
+
+def reduce_scatter_to_owners(
+    buffer: jax.Array,
+    schedule: ScatterSchedule,
+    axis_name: str,
+    *,
+    accumulate_dtype: jnp.dtype,
+) -> jax.Array:
+    """A skipped reduce-scatter that leaves each rank its own block.
+
+    Static schedules run the ring above (ring chunk r is block r, summed over
+    r's ``N - 1 - k`` nearest predecessors). Random ones send each summed
+    piece straight to its owner: at step t every rank sends its piece of
+    block ``rank + s_t`` over a shift of ``s_t``, one of the N - 1 static
+    shifts chosen by ``lax.switch`` on the shared key. Both send
+    ``(N - 1 - k) / N`` of the buffer; on a physical ring or torus a shift of
+    s crosses s links, on a switched network any shift runs at full rate.
+
+    Args:
+      buffer: ``[N, M]``: row b is this rank's values of block b.
+      schedule: the plan for this buffer.
+      axis_name: the axis.
+      accumulate_dtype: dtype of the sums (and of what is sent).
+
+    Returns:
+      ``[M]``: block ``rank``, summed over ``N - k`` ranks, itself included.
+    """
+    n = schedule.axis_size
+    if not schedule.randomized:
+        ring = make_schedule(n, num_skip=schedule.num_skip, randomize=False)
+        return reduce_scatter(buffer.reshape(-1), ring, axis_name,
+                              accumulate_dtype=accumulate_dtype).reshape(-1)
+    rank = lax.axis_index(axis_name)
+    pieces = buffer.astype(accumulate_dtype)
+
+    def send(shift):
+        return lambda piece: lax.ppermute(
+            piece, axis_name, perm=[(i, (i + shift) % n) for i in range(n)])
+
+    branches = [send(shift) for shift in range(1, n)]
+
+    def body(step, acc):
+        shift = schedule.shifts[step - 1]
+        piece = lax.dynamic_index_in_dim(pieces, (rank + shift) % n, 0,
+                                         keepdims=False)
+        return acc + lax.switch(shift - 1, branches, piece)
+
+    own = lax.dynamic_index_in_dim(pieces, rank, 0, keepdims=False)
+    return _loop(n - 1 - schedule.num_skip, body, own)
 
 
 def gather(

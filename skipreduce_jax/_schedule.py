@@ -166,6 +166,79 @@ def make_schedule(
     return SkipSchedule(axis_size, num_skip, chunks_per_rank, randomized, offsets)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScatterSchedule:
+    """Who is summed into each rank's own block of a skipped reduce-scatter.
+
+    Rank ``o`` receives its block summed over itself and the ranks
+    ``o - s`` for ``s`` in ``shifts`` (mod N): ``N - 1 - k`` sends of 1/N of
+    the buffer each. Static: ``shifts = 1..N-1-k``, the ring's nearest
+    predecessors (the same k ranks are always left out). Random: a
+    key-chosen subset of ``1..N-1``, the same on every rank, so that every
+    other rank is left out of every block with probability ``k / (N - 1)``.
+
+    Attributes:
+        axis_size: N, the number of ranks.
+        num_skip: k, the sends skipped.
+        randomized: whether ``shifts`` came from a key.
+        shifts: int32[N - 1 - k], the distances of the summed predecessors.
+    """
+
+    axis_size: int = dataclasses.field(metadata=dict(static=True))
+    num_skip: int = dataclasses.field(metadata=dict(static=True))
+    randomized: bool = dataclasses.field(metadata=dict(static=True))
+    shifts: jax.Array
+
+    @property
+    def num_contributors(self) -> int:
+        """N - k: how many ranks are summed into every element."""
+        return self.axis_size - self.num_skip
+
+    def contributes(self, rank: jax.Array | int) -> jax.Array:
+        """bool[N blocks]: whether ``rank``'s value of each block is summed."""
+        blocks = jnp.arange(self.axis_size, dtype=jnp.int32)
+        lag = (blocks - rank) % self.axis_size
+        return (lag == 0) | jnp.any(lag[:, None] == self.shifts[None, :], axis=1)
+
+
+def make_scatter_schedule(axis_size: int, *, num_skip: int,
+                          key: jax.Array | None = None,
+                          randomize: bool = True) -> ScatterSchedule:
+    """Builds the schedule of a skipped reduce-scatter.
+
+    Args:
+        axis_size: N, ranks on the axis.
+        num_skip: k in ``[0, N - 1]``.
+        key: a typed PRNG key identical on every rank (Random only).
+        randomize: False: always the ``N - 1 - k`` nearest predecessors.
+
+    Returns:
+        The :class:`ScatterSchedule`.
+
+    Example:
+        >>> s = make_scatter_schedule(4, num_skip=1, randomize=False)
+        >>> s.shifts.tolist(), s.contributes(0).tolist()
+        ([1, 2], [True, True, True, False])
+    """
+    api = "make_scatter_schedule"
+    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1,
+                          type_error=ValueError)
+    num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
+                         maximum=axis_size - 1, type_error=ValueError,
+                         what=f"for axis_size={axis_size}")
+    randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
+    sends = axis_size - 1 - num_skip
+    if randomized:
+        if key is None:
+            raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
+        order = jax.random.permutation(key, axis_size - 1).astype(jnp.int32)
+        shifts = jnp.sort(order[:sends]) + 1
+    else:
+        shifts = jnp.arange(1, sends + 1, dtype=jnp.int32)
+    return ScatterSchedule(axis_size, num_skip, randomized, shifts)
+
+
 def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
     """Converts a skip ratio into a number of skipped steps.
 

@@ -303,3 +303,19 @@ ENTRY %main (p0: f32[1024]) -> f32[1024] {
 }
 """
     assert sr.collective_traffic(program).bytes_per_device() == 7 / 8 * 4096
+
+
+def test_a_conditional_counts_the_branch_that_sends_the_most():
+    """Only one branch runs: the bytes are those of the largest branch."""
+    n, size = 4, 256
+
+    def fn(v):
+        def shift(s):
+            return lambda x: lax.ppermute(x, "i", [(r, (r + s) % n) for r in range(n)])
+
+        small = lambda x: shift(1)(x[: size // 2]).sum() + x  # noqa: E731
+        large = lambda x: shift(2)(x) + x  # noqa: E731
+        return lax.switch(lax.axis_index("i") % 2, [small, large], v)
+
+    traffic = _traffic(fn, n, size)
+    assert traffic.bytes_per_device() == pytest.approx(size * 4)
