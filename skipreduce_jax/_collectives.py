@@ -749,7 +749,7 @@ def skip_psum_scatter(
       ...     return skip_psum_scatter(g, "data", key=jax.random.key(0), num_skip=0)
       >>> g = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P()))
       >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"))(g)
-      >>> out.shape, float(out[0, 0])  # block r of the sum over all 8 ranks
+      >>> out.shape, np.asarray(out)[0, 0].item()  # block r of the 8-rank sum
       ((8, 16), 8.0)
     """
     api = "skip_psum_scatter"
