@@ -209,12 +209,16 @@ def skip_reduce(
         residual = optax.EmptyState()
         if config.error_feedback:
             # Leaves that are never skipped keep nothing: an empty row each.
+            # A param sharded over the data axis (FSDP) carries what was left
+            # out of its whole local gradient.
             leaves, treedef = jax.tree_util.tree_flatten(params)
-            flags = config.skippable(params, params)
+            full = jax.tree_util.tree_unflatten(treedef, [
+                jax.ShapeDtypeStruct(_gradient_shape(p, config), p.dtype)
+                for p in leaves])
+            flags = config.skippable(full, params)
             residual = jax.tree_util.tree_unflatten(treedef, [
-                per_rank_zeros(np.shape(p) if s else (0,), p.dtype,
-                               _axes(config))
-                for p, s in zip(leaves, flags)])
+                per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
+                for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
         return SkipReduceState(jnp.zeros((), jnp.int32), key,
                                jnp.uint32(config.fingerprint()), residual)
 
@@ -324,7 +328,11 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         _check_residuals(leaves, residuals, skippable)
         leaves = [g + r[0].astype(g.dtype) if s else g
                   for g, r, s in zip(leaves, residuals, skippable)]
+    # Params sharded over the data axis (FSDP) get this rank's block of the
+    # mean (a reduce-scatter); the others the all-reduced mean.
+    scattered = _scattered(leaves, params, n, config)
     picked = [g for g, s in zip(leaves, skippable) if s]
+    picked_scattered = [c for c, s in zip(scattered, skippable) if s]
     # How params are sharded over the compiler's axes, where the training
     # helpers recorded it (their gradients are sharded alike).
     param_specs = _shards.specs_of_params(params)
@@ -332,32 +340,49 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                     else [p for p, s in zip(param_specs, skippable) if s])
 
     def full(picked):
-        out = _full_pmean(picked, axes, config.accumulate_dtype)
+        out = _full_mean(picked, picked_scattered, config)
         left_out = ([jnp.zeros_like(g) for g in picked] if residuals is not None
                     else None)
         return out, left_out
 
     def skipped(picked):
         kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
-                  inner_axis=config.inner_axis,
-                  chunks_per_rank=config.chunks_per_rank,
-                  bucket_bytes=config.bucket_bytes, specs=picked_specs)
-        kw.update(normalize=config.normalize,
-                  accumulate_dtype=config.accumulate_dtype)
+                  bucket_bytes=config.bucket_bytes)
+        rs = [g for g, c in zip(picked, picked_scattered) if c]
+        ar = [g for g, c in zip(picked, picked_scattered) if not c]
+        ar_specs = (None if picked_specs is None else
+                    [p for p, c in zip(picked_specs, picked_scattered) if not c])
+        ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
+                     chunks_per_rank=config.chunks_per_rank,
+                     normalize=config.normalize,
+                     accumulate_dtype=config.accumulate_dtype)
         if residuals is None:
-            return coll.skip_pmean(picked, config.axis_name, **kw), None
-        return coll.skip_pmean_and_left_out(picked, config.axis_name, **kw)
+            ar_out, ar_left = coll.skip_pmean(ar, config.axis_name, **ar_kw), None
+        else:
+            ar_out, ar_left = coll.skip_pmean_and_left_out(ar, config.axis_name, **ar_kw)
+        count = n - num_skip if config.normalize == "contributors" else n
+        # fold_in: the all-reduce's buckets and these draw different keys.
+        rs_kw = dict(kw, key=jax.random.fold_in(key, 1 << 30))
+        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / count,
+                               accumulate_dtype=config.accumulate_dtype,
+                               api=_API, **rs_kw)
+        rs_left = None
+        if residuals is not None:
+            mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
+            rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
+        return (_merge(picked_scattered, rs_out, ar_out),
+                None if residuals is None else _merge(picked_scattered, rs_left, ar_left))
 
     if not picked or num_skip == 0:
         reduced, left_out = full(picked)
     elif config.warmup_steps > 0:
         reduced, left_out = lax.cond(state.count < config.warmup_steps, full,
-                                 skipped, picked)
+                                     skipped, picked)
     else:
         reduced, left_out = skipped(picked)
 
-    rest = _full_pmean([g for g, s in zip(leaves, skippable) if not s], axes,
-                       config.accumulate_dtype)
+    rest = _full_mean([g for g, s in zip(leaves, skippable) if not s],
+                      [c for c, s in zip(scattered, skippable) if not s], config)
     reduced_it, rest_it = iter(reduced), iter(rest)
     out = [next(reduced_it) if s else next(rest_it) for s in skippable]
 
@@ -373,6 +398,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # left out becomes the residual, except non-finite values, which would come back
         # piece by piece in the steps after.
         applied = _all_finite(out)
+        if any(scattered):  # each rank holds other blocks: decide together
+            applied = lax.pmin(applied.astype(jnp.int32), axes) > 0
         left_out_it = iter(left_out)
         new = [next(left_out_it)[None] if s else r
                for s, r in zip(skippable, residuals)]
@@ -391,12 +418,69 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
                              or [jnp.array(True)]))
 
 
-def _full_pmean(leaves: list[jax.Array], axes: tuple[str, ...],
-                accumulate_dtype: Any) -> list[jax.Array]:
-    """``lax.pmean``, summing in ``accumulate_dtype`` as the ring does."""
-    wide = [g.astype(coll.summed_dtype(g.dtype, accumulate_dtype))
+def _merge(flags: list[bool], when_true: list[Any], when_false: list[Any]) -> list[Any]:
+    """Interleaves two lists back into the order that ``flags`` split them."""
+    true_it, false_it = iter(when_true), iter(when_false)
+    return [next(true_it) if f else next(false_it) for f in flags]
+
+
+def _gradient_shape(param: Any, config: _Config) -> tuple[int, ...]:
+    """The shape of a param's local gradient (whole, for an FSDP shard)."""
+    shape = tuple(np.shape(param))
+    try:
+        sharded = (coll.vma_checked(config.axis_name)
+                   and config.axis_name in coll.varying_axes(param))
+    except NameError:  # init outside shard_map: nothing is sharded there
+        return shape
+    if not sharded or not shape:
+        return shape
+    return (shape[0] * checks.axis_size(config.axis_name, api=_API),) + shape[1:]
+
+
+def _scattered(leaves: list[jax.Array], params: Any, n: int,
+               config: _Config) -> list[bool]:
+    """Per leaf: is its param this rank's shard over the data axis (FSDP)?
+
+    A shard is a param of leading size L / N (typed varying over the data
+    axis under check_vma=True) whose gradient has leading size L.
+    """
+    if params is None:
+        return [False] * len(leaves)
+    param_leaves = jax.tree_util.tree_leaves(params)
+    if len(param_leaves) != len(leaves):
+        return [False] * len(leaves)
+    flags = []
+    for g, p in zip(leaves, param_leaves):
+        gs, ps = tuple(np.shape(g)), tuple(np.shape(p))
+        flag = bool(gs) and gs != ps and ps == (gs[0] // n,) + gs[1:] and gs[0] % n == 0
+        if gs != ps and not flag:
+            raise ValueError(
+                f"{_API}: a gradient of shape {gs} belongs to a param of shape "
+                f"{ps}: neither the same shape (replicated params) nor its "
+                f"1/{n} block along the leading axis (params sharded over "
+                f"{config.axis_name!r}, FSDP).")
+        if flag and config.inner_axis is not None:
+            raise ValueError(
+                f"{_API}: params sharded over {config.axis_name!r} (FSDP) do "
+                "not take inner_axis; shard them over the data axis only.")
+        flags.append(flag)
+    return flags
+
+
+def _full_mean(leaves: list[jax.Array], scattered: list[bool],
+               config: _Config) -> list[jax.Array]:
+    """The full mean: ``lax.pmean``, or ``psum_scatter / N`` for FSDP shards.
+
+    Summed in ``accumulate_dtype`` as the ring does.
+    """
+    axes = _axes(config)
+    wide = [g.astype(coll.summed_dtype(g.dtype, config.accumulate_dtype))
             for g in leaves]
-    return [m.astype(g.dtype) for m, g in zip(lax.pmean(wide, axes), leaves)]
+    ar = lax.pmean([w for w, c in zip(wide, scattered) if not c], axes)
+    n = checks.axis_size(config.axis_name, api=_API) if any(scattered) else 1
+    rs = [lax.psum_scatter(w, config.axis_name, scatter_dimension=0, tiled=True) / n
+          for w, c in zip(wide, scattered) if c]
+    return [m.astype(g.dtype) for m, g in zip(_merge(scattered, rs, ar), leaves)]
 
 
 def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
