@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-fast demo demo-lm demo-multihost bench bench-cluster \
-        bench-tta clean
+        bench-tta check-pods clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,24 @@ bench-tta: $(STAMP)
 	    --script benchmarks/time_to_accuracy.py -- --time-budget 60 \
 	    --optimizer sgd --shift 1 --name tta_cluster_h4_500mbit_sgd_shift1
 
+# Compile (not run) SkipReduce for a 4-slice TPU v5e pod and 2 nodes of 8
+# H100s on a CPU machine: its own virtualenv with libtpu and the CUDA plugin
+# (6.2 GB, about 4 minutes to install), then the tests under tests/pods/.
+# libtpu is told there is no metadata server and no other TPU host to ask.
+PODS_VENV  := .venv-pods
+PODS_PY    := $(PODS_VENV)/bin/python
+PODS_STAMP := $(PODS_VENV)/.installed
+
+$(PODS_STAMP): pyproject.toml
+	test -x $(PODS_PY) || $(PYTHON) -m venv $(PODS_VENV)
+	$(PODS_PY) -m pip install --quiet --upgrade pip
+	$(PODS_PY) -m pip install --quiet -e '.[pods]'
+	touch $(PODS_STAMP)
+
+check-pods: $(PODS_STAMP)
+	SKIPREDUCE_PODS=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 \
+	    TPU_ACCELERATOR_TYPE=v5litepod-16 TPU_WORKER_HOSTNAMES=localhost \
+	    $(PODS_PY) -m pytest -q tests/pods
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PODS_VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,147 @@
+"""SkipReduce compiled (not run) for a 4-slice TPU v5e pod and 2 x 8 H100s.
+
+Needs the pods extra (libtpu and the CUDA plugin): ``make check-pods``. Elsewhere
+these tests skip, saying why; with ``SKIPREDUCE_PODS=1`` (set by ``make
+check-pods``) a missing plugin is an error instead.
+"""
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+import jax
+import pytest
+from jax import lax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+import skipreduce_jax as sr  # noqa: E402
+from benchmarks import pods  # noqa: E402
+from skipreduce_jax import _traffic  # noqa: E402
+
+
+def _importable(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+MISSING = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if not _importable(name)]
+if MISSING and os.environ.get("SKIPREDUCE_PODS"):
+    raise RuntimeError(f"SKIPREDUCE_PODS is set but {MISSING} cannot be imported: "
+                       "install the pods extra (pip install -e '.[pods]').")
+pytestmark = [pytest.mark.pods, pytest.mark.skipif(
+    bool(MISSING), reason=f"needs the pods extra ({MISSING} missing): make check-pods")]
+
+LOCAL = 2**20  # float32 elements per device: a 4 MiB buffer, no padding
+PLATFORMS = {"tpu": (pods.tpu_mesh, 4), "gpu": (lambda: pods.gpu_mesh(2, 8), 2)}
+CASES = [("tpu", 0), ("tpu", 2), ("gpu", 0), ("gpu", 1)]
+
+
+@pytest.fixture(scope="module", params=PLATFORMS)
+def platform(request):
+    return request.param
+
+
+def _mesh(platform):
+    return PLATFORMS[platform][0]()
+
+
+def _collectives(platform, fn):
+    mesh = _mesh(platform)
+    compiled = pods.compile_collective(fn, mesh, LOCAL)
+    return pods.collectives(compiled.as_text(), pods.mesh_nodes(mesh))
+
+
+def _slow_all_reduces(found):
+    return [c for c in found if c.slow and c.reduces]
+
+
+@pytest.mark.parametrize("platform, k", CASES)
+def test_skip_psum_sends_the_formula_over_the_slow_axis(platform, k):
+    n = PLATFORMS[platform][1]
+    found = _collectives(platform, lambda v: sr.skip_psum(
+        v, pods.SLOW, key=jax.random.key(0), num_skip=k))
+    assert pods.slow_bytes(found) == pytest.approx((2 * (n - 1) - k) / n * 4 * LOCAL)
+    assert pods.slow_bytes(found) == _traffic.skipreduce_bytes(4 * LOCAL, n, k)
+    assert not _slow_all_reduces(found)
+    assert all(c.asynchronous for c in found if c.slow)
+
+
+def test_skip_psum_runs_one_dcn_send_per_reduce_scatter_step():
+    found = _collectives("tpu", lambda v: sr.skip_psum(
+        v, pods.SLOW, key=jax.random.key(0), num_skip=2))
+    kinds = sorted(c.kind for c in found)
+    assert kinds == ["dcn-all_gather", "dcn-one_to_one"]
+    permute = next(c for c in found if c.kind == "dcn-one_to_one")
+    assert permute.bytes_per_device == 4 * LOCAL / 4  # f32[64,4096]: one ring chunk
+
+
+def test_ring_psum_is_the_full_ring_without_an_all_reduce(platform):
+    n = PLATFORMS[platform][1]
+    found = _collectives(platform, lambda v: sr.ring_psum(v, pods.SLOW))
+    assert pods.slow_bytes(found) == _traffic.ring_allreduce_bytes(4 * LOCAL, n)
+    assert not _slow_all_reduces(found)
+
+
+def test_psum_is_read_as_an_all_reduce_over_the_slow_axis(platform):
+    n = PLATFORMS[platform][1]
+    found = _collectives(platform, lambda v: lax.psum(v, pods.SLOW))
+    (reduce,) = _slow_all_reduces(found)
+    assert reduce.bytes_per_device == _traffic.ring_allreduce_bytes(4 * LOCAL, n)
+
+
+@pytest.fixture(scope="module")
+def steps(platform):
+    mesh = _mesh(platform)
+    k = PLATFORMS[platform][1] // 2
+    return mesh, pods.compile_gspmd_step(mesh), pods.compile_skipreduce_step(mesh, k)
+
+
+def _param_bytes(matrices_only=False):
+    """Bytes of the test MLP's params (its weight matrices only, or all)."""
+    _, shapes = pods.mlp(1024, 4)
+    return sum(4 * x.size for x in jax.tree_util.tree_leaves(shapes)
+               if x.ndim == 2 or not matrices_only)
+
+
+def _whole_all_reduce_bytes(platform, nbytes):
+    """Slow-axis bytes of an all-reduce over all devices that XLA does not
+    split: over the 4 slices (TPU), or one ring over all 16 GPUs."""
+    n = 4 if platform == "tpu" else 16
+    return _traffic.ring_allreduce_bytes(nbytes, n)
+
+
+def test_gspmd_step_all_reduces_its_gradients_over_the_slow_axis(platform, steps):
+    mesh, gspmd, _ = steps
+    found = pods.collectives(gspmd.as_text(), pods.mesh_nodes(mesh))
+    assert _slow_all_reduces(found)
+    weights = _param_bytes(matrices_only=True)
+    if platform == "tpu":
+        # Each chip's 1/16 of a weight gradient (reduce-scattered over its
+        # slice) goes over the slices; the biases, combined, go whole.
+        expected = (_traffic.ring_allreduce_bytes(weights / 16, 4)
+                    + _whole_all_reduce_bytes(platform, _param_bytes() - weights))
+    else:
+        expected = _whole_all_reduce_bytes(platform, _param_bytes())
+    assert pods.slow_bytes(found) == pytest.approx(expected, rel=0.01)
+
+
+def test_skipreduce_step_sends_its_share_over_the_slow_axis(platform, steps):
+    mesh, _, skip = steps
+    found = pods.collectives(skip.as_text(), pods.mesh_nodes(mesh))
+    n, fast = mesh.shape[pods.SLOW], mesh.shape[pods.FAST]
+    # The weights go through hierarchical SkipReduce; the biases, under
+    # skip_reduce's min_size, get a pmean that XLA all-reduces whole.
+    weights = _param_bytes(matrices_only=True)
+    expected = (_traffic.hierarchical_bytes(weights, n, fast, n // 2)[1]
+                + _whole_all_reduce_bytes(platform, _param_bytes() - weights))
+    assert pods.slow_bytes(found) == pytest.approx(expected, rel=0.01)
+    assert pods.slow_bytes(found) < 0.7 * pods.slow_bytes(pods.collectives(
+        steps[1].as_text(), pods.mesh_nodes(mesh)))
+
+
+def test_skipreduce_step_memory_is_within_ten_percent_of_gspmd(steps):
+    _, gspmd, skip = steps
+    assert pods.device_memory(skip) == pytest.approx(pods.device_memory(gspmd), rel=0.10)
