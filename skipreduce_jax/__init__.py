@@ -4,7 +4,8 @@ Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 :func:`skip_psum`, :func:`skip_pmean` (and :func:`skip_pmean_and_left_out`,
 for error feedback), :func:`contribution_mask`.
 Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
-friends. Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
+friends; your own step: :func:`data_parallel` (flax NNX:
+``skipreduce_jax.nnx``). Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
 ``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
 """
@@ -21,6 +22,9 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
+from skipreduce_jax._parallel import PerRank as PerRank
+from skipreduce_jax._parallel import data_parallel as data_parallel
+from skipreduce_jax._parallel import rank_key as rank_key
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import make_schedule as make_schedule
 from skipreduce_jax._training import check_settings_agree as check_settings_agree
