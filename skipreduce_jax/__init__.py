@@ -5,7 +5,8 @@ Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 for error feedback), :func:`contribution_mask`.
 Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
 friends; your own step: :func:`data_parallel` (flax NNX:
-``skipreduce_jax.nnx``). Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
+``skipreduce_jax.nnx``). Multi-process: :func:`initialize`,
+``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
 ``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
 """

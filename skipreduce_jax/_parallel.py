@@ -258,7 +258,7 @@ def _check_outputs(with_paths: Sequence[tuple[Any, Any]],
             "of every rank concatenated along the leading dimension).")
 
 
-def _positions(argnums: Any, name: str, *, api: str) -> tuple[int, ...]:
+def positions(argnums: Any, name: str, *, api: str) -> tuple[int, ...]:
     values = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
     try:
         values = tuple(values)
@@ -429,11 +429,16 @@ def data_parallel(
     sharded over other axes only is left as it is). Outputs are placed so
     that feeding them back moves nothing.
 
-    With a mesh from ``jax.make_mesh`` (Explicit axes) the call runs under
-    ``jax.set_mesh(mesh)`` unless a mesh is already set. Code outside the
-    step that mixes its outputs with new arrays under ``jit`` (e.g.
-    ``nnx.MultiMetric.update``) must also run under ``jax.set_mesh(mesh)``,
-    or build the mesh with ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
+    In a multi-process job a host batch is this process's part of the
+    global batch, as for :func:`shard_batch`.
+
+    The call runs under ``jax.set_mesh(mesh)`` unless a mesh is already set.
+    With a mesh from ``jax.make_mesh`` (Explicit axes), code outside the
+    step that uses its outputs, e.g. ``nnx.MultiMetric.update(loss=loss)``,
+    can fail with "Length of device assignment 1 is not equal to the size
+    of the mesh": run it under ``jax.set_mesh(mesh)`` too (once at start-up,
+    or as a ``with`` block around the loop), or build the mesh with
+    ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
 
     Args:
       step_fn: the per-rank step. Its arguments and outputs are pytrees
@@ -486,9 +491,9 @@ def build_step(step_fn, mesh, axis_name, *, batch_argnums, static_argnums,
     the data axes) are the mesh axes the step is manual over.
     """
     axes = mesh_axes(mesh, axis_name, api=api)
-    batch = _positions(batch_argnums, "batch_argnums", api=api)
-    static = _positions(static_argnums, "static_argnums", api=api)
-    donate = _positions(donate_argnums, "donate_argnums", api=api)
+    batch = positions(batch_argnums, "batch_argnums", api=api)
+    static = positions(static_argnums, "static_argnums", api=api)
+    donate = positions(donate_argnums, "donate_argnums", api=api)
     for name, a, b in (("batch_argnums", batch, static),
                        ("donate_argnums", donate, static)):
         both = sorted(set(a) & set(b))

@@ -99,10 +99,21 @@ def local_value_and_grad(
     def wrapped(*args, **kwargs):
         args = list(args)
         for i in positions:
+            _refuse_nnx(args[i])
             args[i] = to_varying(args[i], axis_name)
         return value_and_grad(*args, **kwargs)
 
     return wrapped
+
+
+def _refuse_nnx(arg: Any) -> None:
+    """Points NNX Modules to the NNX helper (flax is not imported here)."""
+    if any(c.__module__.startswith("flax.nnx") for c in type(arg).__mro__):
+        raise TypeError(
+            f"local_value_and_grad: got a flax NNX {type(arg).__name__}; its "
+            "variables cannot be differentiated (or updated) through it as a "
+            "plain pytree. Use skipreduce_jax.nnx.local_value_and_grad("
+            "loss_fn, axis_name, wrt=nnx.Param), with loss_fn(model, *args).")
 
 
 def local_grad(

@@ -41,7 +41,14 @@ import optax
 from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
-from skipreduce_jax._parallel import AxisNames, as_tuple, build_step, rank_key
+from skipreduce_jax import _checks as checks
+from skipreduce_jax._parallel import (
+    AxisNames,
+    as_tuple,
+    build_step,
+    positions,
+    rank_key,
+)
 from skipreduce_jax._training import init_opt_state, to_varying
 
 __all__ = ["data_parallel", "init_optimizer", "local_value_and_grad"]
@@ -68,7 +75,12 @@ def local_value_and_grad(
     With ``rank_rngs`` each rank folds its index into the model's RNG
     stream keys (:func:`skipreduce_jax.rank_key`) for the call, so that
     ``nnx.Dropout`` draws a different mask on every rank; the stored keys
-    stay replicated and the counters advance alike on every rank.
+    stay replicated and the counters advance alike on every rank. Keys the
+    loss gets as arguments (an ``nnx.Rngs`` passed to the step) are not the
+    model's: build them from ``skipreduce_jax.rank_key(key, axis_name)``.
+
+    Call it inside the step on a model the step received as an argument: a
+    Module closed over from outside cannot be updated inside a trace.
 
     Args:
       loss_fn: ``loss_fn(model, *args)``, returning a scalar (``(loss, aux)``
@@ -85,6 +97,8 @@ def local_value_and_grad(
       gradients, ready for ``optimizer.update(model, grads)``.
     """
     axes = as_tuple(axis_name)
+    rank_rngs = checks.check_bool(rank_rngs, "rank_rngs",
+                                  api="skipreduce_jax.nnx.local_value_and_grad")
 
     def wrapped(model, *args):
         filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
@@ -177,8 +191,9 @@ def data_parallel(
     Returns:
       A callable ``step(*args)`` returning what ``step_fn`` returns.
     """
-    batch = _as_positions(batch_argnums)
-    static = _as_positions(static_argnums)
+    api = "skipreduce_jax.nnx.data_parallel"
+    batch = positions(batch_argnums, "batch_argnums", api=api)
+    static = positions(static_argnums, "static_argnums", api=api)
     steps = {}
 
     def build(graph: tuple[int, ...], names: tuple[str, ...]):
@@ -198,8 +213,7 @@ def data_parallel(
                           batch_argnums=batch_argnums,
                           static_argnums=static_argnums,
                           donate_argnums=donate_argnums,
-                          api="skipreduce_jax.nnx.data_parallel",
-                          describe=describe)
+                          api=api, describe=describe)
 
     @functools.wraps(step_fn)
     def step(*args):
@@ -215,8 +229,3 @@ def data_parallel(
 
     return step
 
-
-def _as_positions(argnums: Any) -> tuple[int, ...]:
-    if isinstance(argnums, int):
-        return (argnums,)
-    return tuple(argnums)

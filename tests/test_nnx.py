@@ -181,3 +181,12 @@ def test_metrics_outside_the_step_on_explicit_and_auto_meshes():
         else:
             outside.update(loss=loss)
         np.testing.assert_allclose(outside.compute(), loss)
+
+
+def test_plain_local_grad_points_nnx_modules_to_the_nnx_helper():
+    mesh = jax.make_mesh((N,), ("data",))
+    step = srnnx.data_parallel(
+        lambda m, x: sr.local_value_and_grad(lambda m, x: jnp.sum(m(x)), "data")(m, x)[0],
+        mesh, batch_argnums=1)
+    with pytest.raises(TypeError, match=r"skipreduce_jax\.nnx\.local_value_and_grad"):
+        step(nnx.Linear(8, 2, rngs=nnx.Rngs(0)), np.ones((N, 8), np.float32))
