@@ -4,7 +4,9 @@ Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 :func:`skip_psum`, :func:`skip_pmean` (and :func:`skip_pmean_and_left_out`,
 for error feedback), :func:`contribution_mask`.
 Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
-friends. Multi-process: :func:`initialize`, ``python -m skipreduce_jax.launch``.
+friends; your own step: :func:`data_parallel` (flax NNX:
+``skipreduce_jax.nnx``). Multi-process: :func:`initialize`,
+``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
 ``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
 """
@@ -23,6 +25,9 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
+from skipreduce_jax._parallel import PerRank as PerRank
+from skipreduce_jax._parallel import data_parallel as data_parallel
+from skipreduce_jax._parallel import rank_key as rank_key
 from skipreduce_jax._schedule import ScatterSchedule as ScatterSchedule
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import make_scatter_schedule as make_scatter_schedule

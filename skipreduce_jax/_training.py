@@ -1,4 +1,4 @@
-"""Training-loop helpers: local gradients and the jit + shard_map step.
+"""Training-loop helpers: local gradients, placement and the ready step.
 
 The pattern (params and optimizer state replicated, the batch sharded over
 the data axis, the update inside ``jax.shard_map`` with ``check_vma=True``)::
@@ -16,7 +16,8 @@ Inside the step, :func:`local_value_and_grad` casts the replicated params to
 varying first, so autodiff does not sum the gradients over the data axis:
 ``skip_reduce`` is then the only reduction. Error-feedback residuals are the
 one part of the state that differs per rank; :func:`state_specs` gives them a
-leading data-axis dimension outside ``shard_map``.
+leading data-axis dimension outside ``shard_map``. For a step of your own
+(aux outputs, keys, a flax ``TrainState``), see :func:`data_parallel`.
 
 On simulated CPU devices (``--xla_force_host_platform_device_count``), read
 a result (e.g. ``float(loss)``) at least every few dozen steps: with too many
@@ -25,41 +26,31 @@ steps queued, XLA's in-process collectives time out waiting for each other.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._parallel import (
+    as_tuple,
+    build_step,
+    copy_to,
+    data_spec,
+    mesh_axes,
+    place_batch,
+    replicated_sharding,
+)
 from skipreduce_jax._per_rank import per_rank_fields, per_rank_leaves
 from skipreduce_jax._transform import SkipReduceState
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
 AxisNames = str | tuple[str, ...]
-
-
-def _as_tuple(axis_name: AxisNames) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def _mesh_axes(mesh: jax.sharding.Mesh, axis_name: AxisNames, *, api: str
-               ) -> tuple[str, ...]:
-    """``axis_name`` as a tuple, refused unless every name is a mesh axis."""
-    axes = _as_tuple(axis_name)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if not axes or missing:
-        raise ValueError(
-            f"{api}: axis_name={axis_name!r} is not an axis of the mesh, whose "
-            f"axes are {tuple(mesh.axis_names)}. Pass the data axis, e.g. "
-            f"axis_name={mesh.axis_names[0]!r}, or a tuple (outer, inner) of "
-            "mesh axes for hierarchical SkipReduce.")
-    return axes
 
 
 def to_varying(tree: Any, axis_name: AxisNames) -> Any:
@@ -70,7 +61,7 @@ def to_varying(tree: Any, axis_name: AxisNames) -> Any:
     to a varying one it stays local. Leaves already varying are left alone;
     with ``check_vma=False`` nothing changes.
     """
-    axes = _as_tuple(axis_name)
+    axes = as_tuple(axis_name)
     if not vma_checked(axes[0]):
         return tree
 
@@ -97,9 +88,10 @@ def local_value_and_grad(
       A function returning ``(value, grads)`` (``((value, aux), grads)`` with
       ``has_aux``), where value and grads are this rank's, not summed.
 
-    Example:
-      >>> loss, grads = local_value_and_grad(loss_fn, "data")(params, batch)
-      >>> updates, opt_state = tx.update(grads, opt_state, params)
+    Example (inside the step)::
+
+        loss, grads = local_value_and_grad(loss_fn, "data")(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
     """
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
@@ -107,10 +99,21 @@ def local_value_and_grad(
     def wrapped(*args, **kwargs):
         args = list(args)
         for i in positions:
+            _refuse_nnx(args[i])
             args[i] = to_varying(args[i], axis_name)
         return value_and_grad(*args, **kwargs)
 
     return wrapped
+
+
+def _refuse_nnx(arg: Any) -> None:
+    """Points NNX Modules to the NNX helper (flax is not imported here)."""
+    if any(c.__module__.startswith("flax.nnx") for c in type(arg).__mro__):
+        raise TypeError(
+            f"local_value_and_grad: got a flax NNX {type(arg).__name__}; its "
+            "variables cannot be differentiated (or updated) through it as a "
+            "plain pytree. Use skipreduce_jax.nnx.local_value_and_grad("
+            "loss_fn, axis_name, wrt=nnx.Param), with loss_fn(model, *args).")
 
 
 def local_grad(
@@ -153,8 +156,8 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
     Returns:
       A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
     """
-    axes = _as_tuple(axis_name)
-    per_rank_spec = P(axes[0] if len(axes) == 1 else axes)
+    axes = as_tuple(axis_name)
+    per_rank_spec = data_spec(axes)
 
     def spec(node):
         specs = jax.tree_util.tree_map(lambda _: P(), node)
@@ -175,24 +178,8 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     multi-process job every process must pass the same values; each process
     places its own copies on its own devices.
     """
-
-    def copy(x: Any) -> jax.Array:
-        # P(None, ...) per dimension: the spec jit gives its replicated
-        # outputs, so the step's first call and later calls hit one
-        # compilation.
-        sharding = NamedSharding(mesh, P(*[None] * np.ndim(x)))
-        if jax.process_count() == 1:
-            return jax.device_put(jnp.copy(x), sharding)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.jit(jnp.copy, out_shardings=sharding)(x)
-        # device_put of a local array onto a multi-process sharding builds
-        # an array whose per-device shards cannot be read back
-        # (`addressable_shards` raises); build the shards one by one.
-        host = np.array(x)
-        return jax.make_array_from_callback(host.shape, sharding,
-                                            lambda index: host[index])
-
-    return jax.tree_util.tree_map(copy, tree)
+    return jax.tree_util.tree_map(
+        lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
@@ -203,13 +190,8 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
     batch (``jax.make_array_from_process_local_data``); in one process the
     whole batch.
     """
-    axes = _mesh_axes(mesh, axis_name, api="shard_batch")
-    sharding = NamedSharding(mesh, P(axes[0] if len(axes) == 1 else axes))
-    if jax.process_count() > 1:
-        return jax.tree_util.tree_map(
-            lambda x: jax.make_array_from_process_local_data(
-                sharding, np.asarray(x)), batch)
-    return jax.device_put(batch, sharding)
+    axes = mesh_axes(mesh, axis_name, api="shard_batch")
+    return jax.tree_util.tree_map(lambda x: place_batch(x, mesh, axes), batch)
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: Any,
@@ -233,7 +215,7 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     Raises:
       ValueError: if the seed or the settings differ between devices.
     """
-    axes = _mesh_axes(mesh, axis_name, api="init_opt_state")
+    axes = mesh_axes(mesh, axis_name, api="init_opt_state")
     specs = state_specs(jax.eval_shape(tx.init, params), axes)
 
     def local_init(params):
@@ -296,7 +278,10 @@ def make_train_step(
     rank computes local gradients of ``loss_fn(params, local_batch)``,
     ``tx`` (with :func:`skip_reduce` first) averages them, and the update is
     applied. Params stay replicated and bit-identical on every device; the
-    returned loss is the mean over ranks.
+    returned loss is the mean over ranks. It is :func:`data_parallel` of
+    that step (manual over every mesh axis), so host batches are split and
+    placed as they come; write your own step with :func:`data_parallel` for
+    auxiliary outputs, a key, a flax ``TrainState`` or NNX objects.
 
     With ``microbatches=m`` each rank splits its part of the batch into m
     equal pieces, averages their local gradients (a ``lax.scan``) and then
@@ -316,16 +301,16 @@ def make_train_step(
         dimension must divide evenly), their gradients averaged locally.
 
     Returns:
-      The jitted step. On simulated CPU devices read a result (e.g.
-      ``float(loss)``) at least every few dozen steps: with too many steps
-      queued, XLA's in-process collectives time out waiting for each other.
+      The jitted step (with ``lower`` as ``jax.jit``'s). On simulated CPU
+      devices read a result (e.g. ``float(loss)``) at least every few dozen
+      steps: with too many steps queued, XLA's in-process collectives time
+      out waiting for each other.
 
     Raises:
       ValueError: if ``axis_name`` is not an axis of ``mesh``, or (at the
         first call) if ``tx`` leaves the gradients unreduced.
     """
-    axes = _mesh_axes(mesh, axis_name, api="make_train_step")
-    batch_spec = P(axes[0] if len(axes) == 1 else axes)
+    axes = mesh_axes(mesh, axis_name, api="make_train_step")
     if not isinstance(donate, (bool, np.bool_)):
         raise TypeError(f"make_train_step: donate={donate!r} must be a bool.")
     if isinstance(microbatches, bool) or not isinstance(
@@ -355,15 +340,9 @@ def make_train_step(
         return (optax.apply_updates(params, updates), opt_state,
                 lax.pmean(loss, axes))
 
-    def step(params, opt_state, batch):
-        specs = state_specs(opt_state, axes)
-        _check_per_rank_rows(opt_state, mesh, axes)
-        sharded = jax.shard_map(
-            local_step, mesh=mesh, in_specs=(P(), specs, batch_spec),
-            out_specs=(P(), specs, P()), check_vma=True)
-        return sharded(params, opt_state, batch)
-
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return build_step(local_step, mesh, axes, batch_argnums=2,
+                      static_argnums=(), donate_argnums=(0, 1) if donate else (),
+                      api="make_train_step", manual_axes=mesh.axis_names)
 
 
 def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:
@@ -413,17 +392,3 @@ def _check_per_rank_axes(opt_state: Any, axes: tuple[str, ...],
                 "With hierarchical SkipReduce pass axis_name=(outer, inner), "
                 f"e.g. {both}, here and to make_train_step, shard_batch and "
                 "state_specs.")
-
-
-def _check_per_rank_rows(opt_state: Any, mesh: jax.sharding.Mesh,
-                         axes: tuple[str, ...]) -> None:
-    """Refuses per-rank state that does not hold one row per rank."""
-    ranks = math.prod(mesh.shape[a] for a in axes)
-    for name, leaf in per_rank_leaves(opt_state):
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != ranks:
-            raise ValueError(
-                f"make_train_step: opt_state's per-rank field {name!r} has a "
-                f"leaf of shape {np.shape(leaf)}; it needs one row per rank "
-                f"over {list(axes)} ({ranks}). Build the state with "
-                "skipreduce_jax.init_opt_state(tx, params, mesh): tx.init "
-                "alone makes a single row.")

@@ -1,0 +1,509 @@
+"""``data_parallel``: your own step, jitted and mapped over the data axes.
+
+``data_parallel(step_fn, mesh, batch_argnums=(2,))`` is ``jax.jit`` around
+``jax.shard_map(..., check_vma=True)`` that is manual over the data axes
+only (other mesh axes stay with the compiler). Arguments in
+``batch_argnums`` are split over the data axes along their leading
+dimension; everything else is replicated, except per-rank state (fields a
+NamedTuple names in ``per_rank_fields``, e.g. error-feedback residuals, and
+:class:`PerRank` values), found anywhere in the arguments and outputs (an
+optax state, a flax ``TrainState``, an ``nnx.Optimizer``) and placed with a
+leading data-axis dimension, as :func:`state_specs` does. Host (numpy) and
+misplaced arrays are placed before the call, so a loop passes its batches
+as they come.
+
+Inside the step, ``axis_name`` is bound: compute local gradients
+(:func:`local_value_and_grad`), let ``skip_reduce`` average them, and reduce
+whatever else is returned (``lax.pmean`` of a loss, BatchNorm with
+``axis_name``). An output that still differs per rank is refused, naming
+its path and the fix. :func:`rank_key` gives each rank its own dropout key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from skipreduce_jax import _checks as checks
+from skipreduce_jax._per_rank import per_rank_fields
+from skipreduce_jax._vma import varying_axes
+
+AxisNames = str | tuple[str, ...]
+
+
+class PerRank(NamedTuple):
+    """Marks a value as per rank in :func:`data_parallel`'s inputs or outputs.
+
+    Each leaf is split (inputs) or concatenated (outputs) along its leading
+    dimension over the data axes, as the batch is: inside the step a rank
+    sees its own rows; outside, the rows of every rank in order. A scalar
+    needs a leading axis, e.g. ``PerRank(loss[None])``.
+
+    Attributes:
+      value: a pytree of arrays.
+    """
+
+    value: Any
+
+    per_rank_fields = ("value",)
+
+
+def as_tuple(axis_name: AxisNames) -> tuple[str, ...]:
+    """``axis_name`` as a tuple of axis names."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def mesh_axes(mesh: jax.sharding.Mesh, axis_name: AxisNames, *, api: str
+              ) -> tuple[str, ...]:
+    """``axis_name`` as a tuple, refused unless every name is a mesh axis."""
+    axes = as_tuple(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if not axes or missing:
+        raise ValueError(
+            f"{api}: axis_name={axis_name!r} is not an axis of the mesh, whose "
+            f"axes are {tuple(mesh.axis_names)}. Pass the data axis, e.g. "
+            f"axis_name={mesh.axis_names[0]!r}, or a tuple (outer, inner) of "
+            "mesh axes for hierarchical SkipReduce.")
+    return axes
+
+
+def data_spec(axes: tuple[str, ...]) -> P:
+    """The spec that splits a leading dimension over ``axes``."""
+    return P(axes[0] if len(axes) == 1 else axes)
+
+
+def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
+    """``key`` folded with this rank's index over the data axes.
+
+    Inside the step every rank sees the same (replicated) key; dropout drawn
+    from it would drop the same units on every rank. Fold the rank in first:
+    each rank then draws its own mask, while params stay identical. With
+    hierarchical axes ``(outer, inner)`` the index is ``outer * L + inner``,
+    the order in which the batch is split.
+
+    Args:
+      key: a replicated PRNG key (typed or raw ``uint32[2]``).
+      axis_name: the data axis, or a tuple of axes.
+
+    Returns:
+      A key that differs per rank (typed varying over ``axis_name``).
+
+    Example::
+
+        def local_step(params, batch, key):
+            key = rank_key(key, "data")  # before any dropout
+            ...
+    """
+    index = 0
+    for axis in as_tuple(axis_name):
+        size = checks.axis_size(axis, api="rank_key")
+        index = index * size + lax.axis_index(axis)
+    return jax.random.fold_in(key, index)
+
+
+def per_rank_flags(tree: Any) -> list[bool]:
+    """One bool per leaf of ``tree`` (in ``tree_leaves`` order): per rank?"""
+    flags = []
+    for node in jax.tree_util.tree_leaves(
+            tree, is_leaf=lambda n: bool(per_rank_fields(n))):
+        fields = per_rank_fields(node)
+        if not fields:
+            flags.append(False)
+            continue
+        for name, child in zip(node._fields, node, strict=True):
+            flags += [name in fields] * len(jax.tree_util.tree_leaves(child))
+    return flags
+
+
+def _spec_axes(spec: P) -> set[str]:
+    names = set()
+    for entry in spec:
+        names.update(as_tuple(entry) if entry is not None else ())
+    return names
+
+
+def copy_to(x: Any, sharding: NamedSharding) -> jax.Array:
+    """A copy of ``x`` placed with ``sharding`` that never aliases ``x``.
+
+    In a multi-process job every process passes the same values; each
+    process places its own copies on its own devices.
+    """
+    if jax.process_count() == 1:
+        # device_put alone can reuse a single-device buffer as one replica.
+        return jax.device_put(jnp.copy(x), sharding)
+    if _is_global(x):
+        return jax.jit(jnp.copy, out_shardings=sharding)(x)
+    return _from_host(x, sharding)
+
+
+def _from_host(x: Any, sharding: NamedSharding) -> jax.Array:
+    # device_put of a local array onto a multi-process sharding builds an
+    # array whose shards cannot be read back; build them one by one.
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+
+
+def replicated_sharding(x: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """``P()`` on ``mesh``, spelled as jit spells its replicated outputs."""
+    # P(None, ...) per dimension, so that a first call with placed inputs
+    # and later calls with the step's outputs hit one compilation.
+    return NamedSharding(mesh, P(*[None] * np.ndim(x)))
+
+
+def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
+                      axes: tuple[str, ...]) -> Any:
+    """``x`` copied to every device, unless already fine.
+
+    An array on ``mesh`` split over no axis of ``axes`` stays as it is
+    (sharded over a model axis, say).
+    """
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
+            x.sharding.mesh == mesh and not _spec_axes(x.sharding.spec)
+            & set(axes)):
+        return x
+    sharding = replicated_sharding(x, mesh)
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                                x.ndim):
+        return x
+    return copy_to(x, sharding)
+
+
+def place_batch(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], *,
+                process_local: bool = True) -> Any:
+    """``x`` split along its leading dimension over ``axes``.
+
+    In a multi-process run a host array is this process's part of the global
+    batch (``jax.make_array_from_process_local_data``), or with
+    ``process_local=False`` the whole of it (rows of every rank, e.g.
+    per-rank state restored from a checkpoint).
+    """
+    sharding = NamedSharding(mesh, data_spec(axes))
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                                x.ndim):
+        return x
+    if _is_global(x):
+        return jax.jit(lambda v: v, out_shardings=sharding)(x)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    if process_local:
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    return _from_host(x, sharding)
+
+
+def _is_global(x: Any) -> bool:
+    """Whether ``x`` is an array spanning other processes' devices too."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _check_rows(path: Any, leaf: Any, ranks: int, axes: tuple[str, ...], *,
+                api: str) -> None:
+    """Refuses per-rank state that does not hold one row per rank."""
+    if np.ndim(leaf) and not np.shape(leaf)[0] % ranks:
+        return
+    raise ValueError(
+        f"{api}: the per-rank state at {jax.tree_util.keystr(path)} has shape "
+        f"{np.shape(leaf)}; it needs one row per rank over {list(axes)} "
+        f"({ranks}). Build optimizer state with skipreduce_jax.init_opt_state("
+        "tx, params, mesh) (with NNX, skipreduce_jax.nnx.init_optimizer(model, "
+        "tx, mesh)): tx.init alone makes a single row.")
+
+
+def _check_batch(tree: Any, argnum: int, ranks: int, axes: tuple[str, ...],
+                 *, api: str) -> None:
+    # A process passes its own part of the batch; ranks split the global one.
+    processes = jax.process_count()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+        if rows is not None and not _is_global(leaf):
+            rows *= processes
+        if rows is None or rows % ranks:
+            raise ValueError(
+                f"{api}: argument {argnum} (in batch_argnums) has a leaf at "
+                f"{jax.tree_util.keystr(path) or 'the root'} of shape "
+                f"{np.shape(leaf)}: its leading dimension must split evenly "
+                f"over the {ranks} ranks of {list(axes)}. Pass a global batch "
+                f"whose size is a multiple of {ranks} (drop or pad the last "
+                "one), or move the argument out of batch_argnums.")
+
+
+def _check_outputs(with_paths: Sequence[tuple[Any, Any]],
+                   flags: Sequence[bool], axes: tuple[str, ...],
+                   describe: Callable[[Any], str], *, api: str) -> None:
+    """Refuses outputs declared replicated that differ per rank."""
+    axis = axes[0] if len(axes) == 1 else axes
+    for (path, leaf), per_rank in zip(with_paths, flags, strict=True):
+        vary = [a for a in axes if a in varying_axes(leaf)]
+        if per_rank or not vary:
+            continue
+        raise ValueError(
+            f"{api}: {describe(path)} varies over {vary} (each rank computed "
+            "its own value), but the step returns it replicated. Reduce it "
+            f"over the data axes inside the step: lax.pmean(x, {axis!r}) for "
+            f"a loss or metric; nnx.BatchNorm(..., axis_name={axis!r}) or "
+            f"linen nn.BatchNorm(axis_name={axis!r}) for batch statistics; "
+            f"lax.all_gather(x, {axis!r}, tiled=True, to='invarying') for "
+            "per-example values; for parameters, put "
+            f"skip_reduce({axes[0]!r}, ...) first in the optimizer. Or "
+            "return it per rank, wrapped in skipreduce_jax.PerRank(x) (rows "
+            "of every rank concatenated along the leading dimension).")
+
+
+def positions(argnums: Any, name: str, *, api: str) -> tuple[int, ...]:
+    values = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
+    try:
+        values = tuple(values)
+    except TypeError:
+        values = (argnums,)
+    for v in values:
+        checks.check_int(v, name, api=api, minimum=0,
+                         allowed="a non-negative int or a sequence of them")
+    return tuple(int(v) for v in values)
+
+
+def _default_describe(path: Any) -> str:
+    return f"the output at {jax.tree_util.keystr(path) or 'the root'}"
+
+
+class DataParallelStep:
+    """The callable :func:`data_parallel` returns.
+
+    ``step(*args)`` places the arguments and runs the jitted step;
+    ``step.lower(*args)`` lowers it as ``jax.jit``'s ``lower`` does.
+    """
+
+    def __init__(self, step_fn, mesh, axes, batch_argnums, static_argnums,
+                 donate_argnums, *, api, describe=_default_describe,
+                 manual_axes=None):
+        self._step_fn = step_fn
+        self._manual = set(axes if manual_axes is None else manual_axes)
+        self._mesh = mesh
+        self._axes = axes
+        self._batch = batch_argnums
+        self._static = static_argnums
+        self._api = api
+        self._describe = describe
+        self._jitted = jax.jit(self._traced, static_argnums=static_argnums,
+                               donate_argnums=donate_argnums)
+
+    def __call__(self, *args, **kwargs):
+        self._no_kwargs(kwargs)
+        args = self._place(args)
+        with _mesh_context(self._mesh):
+            return self._jitted(*args)
+
+    def lower(self, *args, **kwargs):
+        """Places ``args`` and lowers the step (``jax.jit(...).lower``)."""
+        self._no_kwargs(kwargs)
+        args = self._place(args)
+        with _mesh_context(self._mesh):
+            return self._jitted.lower(*args)
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
+
+    def _no_kwargs(self, kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{self._api}: pass the step's arguments positionally (got "
+                f"keyword arguments {sorted(kwargs)}); batch_argnums, "
+                "static_argnums and donate_argnums count positions.")
+
+    def _place(self, args: tuple) -> tuple:
+        mesh, axes, api = self._mesh, self._axes, self._api
+        ranks = math.prod(mesh.shape[a] for a in axes)
+        for i in self._batch + self._static:
+            if i >= len(args):
+                raise ValueError(
+                    f"{api}: argnum {i} (in batch_argnums or static_argnums) "
+                    f"is out of range for a call with {len(args)} arguments.")
+        placed = list(args)
+        for i, arg in enumerate(args):
+            if i in self._static:
+                continue
+            with_paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
+            if i in self._batch:
+                _check_batch(arg, i, ranks, axes, api=api)
+                new = [place_batch(x, mesh, axes) for _, x in with_paths]
+            else:
+                new = []
+                for (path, x), per_rank in zip(with_paths, per_rank_flags(arg),
+                                               strict=True):
+                    if per_rank:
+                        _check_rows(path, x, ranks, axes, api=api)
+                        new.append(place_batch(x, mesh, axes,
+                                               process_local=False))
+                    else:
+                        new.append(_place_replicated(x, mesh, axes))
+            if any(a is not b for (_, a), b in zip(with_paths, new,
+                                                   strict=True)):
+                placed[i] = jax.tree_util.tree_unflatten(treedef, new)
+        return tuple(placed)
+
+    def _traced(self, *args):
+        axes, spec = self._axes, data_spec(self._axes)
+        dynamic = [i for i in range(len(args)) if i not in self._static]
+        in_specs = []
+        for i in dynamic:
+            flags = per_rank_flags(args[i])
+            in_specs += [spec if i in self._batch or f else P() for f in flags]
+        flat, in_tree = jax.tree_util.tree_flatten([args[i] for i in dynamic])
+        found = {}
+
+        def local(*local_flat):
+            full = list(args)
+            for i, value in zip(dynamic, in_tree.unflatten(local_flat),
+                                strict=True):
+                full[i] = value
+            out = self._step_fn(*full)
+            with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
+            found["flags"] = per_rank_flags(out)
+            _check_outputs(with_paths, found["flags"], axes, self._describe,
+                           api=self._api)
+            return tuple(leaf for _, leaf in with_paths)
+
+        def probe(*local_flat):
+            local(*local_flat)
+            return ()
+
+        def mapped(fn, out_specs):
+            return jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(in_specs),
+                                 out_specs=out_specs, axis_names=self._manual,
+                                 check_vma=True)
+
+        # A first, abstract trace finds the outputs' structure and which of
+        # them are per rank; the outer jit caches both traces.
+        jax.eval_shape(mapped(probe, ()), *flat)
+        out_specs = tuple(spec if f else P() for f in found["flags"])
+        out = mapped(local, out_specs)(*flat)
+        return found["tree"].unflatten(out)
+
+
+def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
+    """``jax.set_mesh(mesh)`` unless a mesh is already set (or under jit)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:  # called inside an outer jit: its context applies
+        return contextlib.nullcontext()
+
+
+def data_parallel(
+    step_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames = "data",
+    *,
+    batch_argnums: int | Sequence[int],
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> DataParallelStep:
+    """Jits ``step_fn`` and runs it on every rank of the data axes.
+
+    ``step_fn`` is written for ONE rank: its ``batch_argnums`` arguments
+    hold this rank's rows, every other argument is the full (replicated)
+    value, and ``axis_name`` is bound, so ``skip_reduce`` and ``lax.pmean``
+    work. Per-rank state (error-feedback residuals, :class:`PerRank`) holds
+    this rank's row. It is ``jax.jit`` around ``jax.shard_map(...,
+    check_vma=True)``, manual over ``axis_name`` only.
+
+    Outputs come back replicated, except per-rank state (in any NamedTuple
+    declaring ``per_rank_fields``, e.g. inside the returned optimizer
+    state), whose rows are stacked along the leading dimension. An output
+    declared replicated that differs per rank is refused with its path and
+    the fix (``lax.pmean``, BatchNorm with ``axis_name``, :class:`PerRank`).
+
+    Each call places the arguments first: batch leaves (numpy or jax arrays)
+    are split along their leading dimension, which must divide by the
+    number of ranks; per-rank state is split by rows; everything else is
+    copied to every device unless already there (an array on ``mesh``
+    sharded over other axes only is left as it is). Outputs are placed so
+    that feeding them back moves nothing.
+
+    In a multi-process job a host batch is this process's part of the
+    global batch, as for :func:`shard_batch`.
+
+    The call runs under ``jax.set_mesh(mesh)`` unless a mesh is already set.
+    With a mesh from ``jax.make_mesh`` (Explicit axes), code outside the
+    step that uses its outputs, e.g. ``nnx.MultiMetric.update(loss=loss)``,
+    can fail with "Length of device assignment 1 is not equal to the size
+    of the mesh": run it under ``jax.set_mesh(mesh)`` too (once at start-up,
+    or as a ``with`` block around the loop), or build the mesh with
+    ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
+
+    Args:
+      step_fn: the per-rank step. Its arguments and outputs are pytrees
+        (flax ``TrainState`` and NNX objects included); see
+        :mod:`skipreduce_jax.nnx` to update NNX objects in place.
+      mesh: the device mesh.
+      axis_name: the data axis; ``(outer, inner)`` for hierarchical
+        SkipReduce (the batch is split over both).
+      batch_argnums: positions of the arguments split over the data axes.
+      static_argnums: positions passed through as Python values (hashable;
+        a new value compiles again), as for ``jax.jit``.
+      donate_argnums: positions whose buffers the step may reuse (e.g. the
+        params and optimizer state), as for ``jax.jit``.
+
+    Returns:
+      A callable taking the step's arguments positionally; its ``lower``
+      method lowers it as ``jax.jit``'s does.
+
+    Raises:
+      ValueError: if ``axis_name`` is not an axis of ``mesh``, the argnums
+        overlap, a batch leaf does not split evenly, per-rank state lacks a
+        row per rank, or an output declared replicated varies.
+
+    Example::
+
+        def local_step(params, opt_state, batch, key):
+            key = rank_key(key, "data")          # dropout differs per rank
+            loss, grads = local_value_and_grad(loss_fn, "data")(
+                params, batch, key)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state,
+                    lax.pmean(loss, "data"))
+
+        step = data_parallel(local_step, mesh, "data", batch_argnums=2,
+                             donate_argnums=(0, 1))
+        params, opt_state, loss = step(params, opt_state, numpy_batch, key)
+    """
+    return build_step(step_fn, mesh, axis_name, batch_argnums=batch_argnums,
+                      static_argnums=static_argnums,
+                      donate_argnums=donate_argnums, api="data_parallel")
+
+
+def build_step(step_fn, mesh, axis_name, *, batch_argnums, static_argnums,
+               donate_argnums, api: str,
+               describe: Callable[[Any], str] = _default_describe,
+               manual_axes: Sequence[str] | None = None) -> DataParallelStep:
+    """:func:`data_parallel`, with errors naming ``api``.
+
+    ``describe`` names an output from its path; ``manual_axes`` (default:
+    the data axes) are the mesh axes the step is manual over.
+    """
+    axes = mesh_axes(mesh, axis_name, api=api)
+    batch = positions(batch_argnums, "batch_argnums", api=api)
+    static = positions(static_argnums, "static_argnums", api=api)
+    donate = positions(donate_argnums, "donate_argnums", api=api)
+    for name, a, b in (("batch_argnums", batch, static),
+                       ("donate_argnums", donate, static)):
+        both = sorted(set(a) & set(b))
+        if both:
+            raise ValueError(
+                f"{api}: {name}={a} and static_argnums={b} share {both}; a "
+                f"static argument is a Python value, not an array to "
+                f"{'split' if name == 'batch_argnums' else 'donate'}.")
+    if not callable(step_fn):
+        raise TypeError(f"{api}: step_fn={step_fn!r} must be callable.")
+    return DataParallelStep(step_fn, mesh, axes, batch, static, donate,
+                            api=api, describe=describe,
+                            manual_axes=manual_axes)

@@ -1,0 +1,231 @@
+"""Flax NNX support: local gradients of a Module, optimizers, the step.
+
+Needs ``flax`` (0.11 or later: NNX objects are pytrees and
+``nnx.Optimizer.update(model, grads)``). The NNX version of flax's usual
+step, data-parallel with SkipReduce::
+
+    import skipreduce_jax as sr
+    import skipreduce_jax.nnx as srnnx
+
+    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5), optax.adamw(1e-3))
+    optimizer = srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param)
+
+    def train_step(model, optimizer, batch):        # one rank's rows
+        grad_fn = srnnx.local_value_and_grad(loss_fn, "data", has_aux=True)
+        (loss, logits), grads = grad_fn(model, batch)
+        optimizer.update(model, grads)              # skip_reduce averages
+        return lax.pmean(loss, "data")
+
+    step = srnnx.data_parallel(train_step, mesh, "data", batch_argnums=2,
+                               donate_argnums=(0, 1))
+    loss = step(model, optimizer, numpy_batch)      # model, optimizer updated
+
+Layers that compute batch statistics must reduce them over the data axis
+(``nnx.BatchNorm(..., axis_name="data")``), and metrics updated inside the
+step must see reduced values (``lax.pmean``, or ``lax.all_gather(...,
+tiled=True, to="invarying")`` for logits and labels): the step refuses
+state that still differs per rank, naming it. With a mesh from
+``jax.make_mesh`` (Explicit axes), run code that mixes the step's outputs
+with new arrays, e.g. ``nnx.MultiMetric.update`` outside the step, under
+``jax.set_mesh(mesh)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
+
+from skipreduce_jax import _checks as checks
+from skipreduce_jax._parallel import (
+    AxisNames,
+    as_tuple,
+    build_step,
+    positions,
+    rank_key,
+)
+from skipreduce_jax._training import init_opt_state, to_varying
+
+__all__ = ["data_parallel", "init_optimizer", "local_value_and_grad"]
+
+
+def local_value_and_grad(
+    loss_fn: Callable[..., Any],
+    axis_name: AxisNames = "data",
+    *,
+    wrt: Any = nnx.Param,
+    has_aux: bool = False,
+    rank_rngs: bool = True,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of a Module that returns LOCAL gradients.
+
+    ``nnx.value_and_grad`` inside the step returns gradients autodiff already
+    summed over the data axis (the params are replicated), which
+    ``skip_reduce`` refuses. This splits the model, types the ``wrt``
+    variables as varying over ``axis_name``, merges and differentiates, so
+    each rank gets the gradient of its own loss. Other state the loss
+    updates (BatchNorm statistics, RNG counters) is written back to the
+    model.
+
+    With ``rank_rngs`` each rank folds its index into the model's RNG
+    stream keys (:func:`skipreduce_jax.rank_key`) for the call, so that
+    ``nnx.Dropout`` draws a different mask on every rank; the stored keys
+    stay replicated and the counters advance alike on every rank. Keys the
+    loss gets as arguments (an ``nnx.Rngs`` passed to the step) are not the
+    model's: build them from ``skipreduce_jax.rank_key(key, axis_name)``.
+
+    Call it inside the step on a model the step received as an argument: a
+    Module closed over from outside cannot be updated inside a trace.
+
+    Args:
+      loss_fn: ``loss_fn(model, *args)``, returning a scalar (``(loss, aux)``
+        with ``has_aux``).
+      axis_name: the data axis, or ``(outer, inner)``.
+      wrt: the ``nnx`` filter of the variables to differentiate (match the
+        optimizer's ``wrt``).
+      has_aux: as for ``nnx.value_and_grad``.
+      rank_rngs: per-rank RNG streams during the call (see above).
+
+    Returns:
+      ``f(model, *args) -> (value, grads)`` (``((value, aux), grads)`` with
+      ``has_aux``), where ``grads`` is an ``nnx.State`` of this rank's
+      gradients, ready for ``optimizer.update(model, grads)``.
+    """
+    axes = as_tuple(axis_name)
+    rank_rngs = checks.check_bool(rank_rngs, "rank_rngs",
+                                  api="skipreduce_jax.nnx.local_value_and_grad")
+
+    def wrapped(model, *args):
+        filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
+        graphdef, params, *others = nnx.split(model, *filters)
+
+        # The states are arguments, so that the model merged inside the
+        # differentiated function is this trace's own and may be mutated.
+        def pure(params, others, *args):
+            if rank_rngs:
+                keys = jax.tree_util.tree_map(lambda k: rank_key(k, axes),
+                                              others[0])
+                others = (keys, *others[1:])
+            local = nnx.merge(graphdef, params, *others, copy=True)
+            out = loss_fn(local, *args)
+            rest = nnx.split(local, *filters)[-1]  # BatchStat, RngCount, ...
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, rest)
+
+        (loss, (aux, rest)), grads = jax.value_and_grad(pure, has_aux=True)(
+            to_varying(params, axes), tuple(others), *args)
+        nnx.update(model, rest)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def init_optimizer(
+    model: Any,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames = "data",
+    *,
+    wrt: Any = nnx.Param,
+) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)`` whose state is built per rank.
+
+    ``nnx.Optimizer`` runs ``tx.init`` outside any ``shard_map``, so
+    ``skip_reduce(error_feedback=True)`` gets a single residual row instead
+    of one per rank, and nothing checks that every device built
+    ``skip_reduce`` alike. This builds the state with
+    :func:`skipreduce_jax.init_opt_state` instead: per-rank rows on their
+    devices, replicated state everywhere, settings checked.
+
+    Args:
+      model: the NNX Module.
+      tx: the optimizer, ``skip_reduce`` first.
+      mesh: the device mesh.
+      axis_name: the data axis, as for :func:`data_parallel`.
+      wrt: the filter of the variables to optimize.
+
+    Returns:
+      An ``nnx.Optimizer`` for ``model``.
+
+    Raises:
+      ValueError: if the ``skip_reduce`` seed or settings differ by device.
+    """
+    optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
+    params = nnx.state(model, wrt)
+    state = init_opt_state(tx, params, mesh, axis_name)
+    optimizer.tx = tx
+    optimizer.opt_state = nnx.data(to_opt_state(state))
+    return optimizer
+
+
+def data_parallel(
+    step_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames = "data",
+    *,
+    batch_argnums: int | Sequence[int],
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> Callable[..., Any]:
+    """:func:`skipreduce_jax.data_parallel` that updates NNX objects in place.
+
+    As ``nnx.jit`` does: the NNX objects passed as arguments (a Module, an
+    ``nnx.Optimizer``, ``nnx.Metric`` s; neither batch nor static) are
+    updated after the call with what ``step_fn`` left in them, so a step
+    written for ``nnx.jit`` only needs its gradients taken with
+    :func:`local_value_and_grad` and its returned values reduced.
+
+    Args:
+      step_fn: the per-rank step, e.g. ``(model, optimizer, batch) -> loss``.
+      mesh: the device mesh.
+      axis_name: the data axis; ``(outer, inner)`` for hierarchical mode.
+      batch_argnums: positions of the arguments split over the data axes.
+      static_argnums: positions passed through as Python values.
+      donate_argnums: positions whose buffers the step may reuse.
+
+    Returns:
+      A callable ``step(*args)`` returning what ``step_fn`` returns.
+    """
+    api = "skipreduce_jax.nnx.data_parallel"
+    batch = positions(batch_argnums, "batch_argnums", api=api)
+    static = positions(static_argnums, "static_argnums", api=api)
+    steps = {}
+
+    def build(graph: tuple[int, ...], names: tuple[str, ...]):
+        def with_objects(*args):
+            return step_fn(*args), tuple(args[i] for i in graph)
+
+        def describe(path):
+            # (output, objects): name an object's leaf by its argument.
+            if path[-1:] == (jax.tree_util.GetAttrKey("value"),):
+                path = path[:-1]  # a Variable's value: name the Variable
+            if path[0].idx == 1:
+                return (f"argument {graph[path[1].idx]} ({names[path[1].idx]}) "
+                        f"at {jax.tree_util.keystr(path[2:]) or 'the root'}")
+            return f"the output at {jax.tree_util.keystr(path[1:]) or 'the root'}"
+
+        return build_step(with_objects, mesh, axis_name,
+                          batch_argnums=batch_argnums,
+                          static_argnums=static_argnums,
+                          donate_argnums=donate_argnums,
+                          api=api, describe=describe)
+
+    @functools.wraps(step_fn)
+    def step(*args):
+        graph = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)
+                      and i not in batch and i not in static)
+        names = tuple(type(args[i]).__name__ for i in graph)
+        if (graph, names) not in steps:
+            steps[graph, names] = build(graph, names)
+        out, objects = steps[graph, names](*args)
+        for i, new in zip(graph, objects, strict=True):
+            nnx.update(args[i], nnx.state(new))
+        return out
+
+    return step
+
