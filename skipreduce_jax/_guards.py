@@ -16,9 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax._checks import axis_size
+from skipreduce_jax._shards import spec_axes
 from skipreduce_jax._vma import cast_varying, vma_checked
 
 # Two seeds: two independent 32-bit checksums per leaf.
@@ -114,17 +116,38 @@ def assert_replicated(tree: Any, mesh: jax.sharding.Mesh,
     """Raises if any leaf of a replicated ``tree`` differs between devices.
 
     Args:
-      tree: a pytree of arrays placed with ``P()`` on ``mesh`` (e.g. params).
+      tree: a pytree of arrays on ``mesh`` (e.g. params), replicated over the
+        axes compared; a leaf sharded over other axes is compared shard by
+        shard.
       mesh: the device mesh.
-      axis_name: the axes to compare over (default: all of the mesh's).
+      axis_name: the axes to compare over (default: every mesh axis no leaf
+        is sharded over).
 
     Raises:
       AssertionError: naming the leaves whose copies differ.
     """
-    axes = tuple(mesh.axis_names) if axis_name is None else axis_name
+    # Each device compares its own shard: a leaf sharded over some mesh axes
+    # (FSDP, tensor parallel) is compared over the others only.
+    specs = jax.tree_util.tree_map(
+        lambda x: x.sharding.spec if isinstance(
+            getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+        else P(), tree)
+    sharded = {a for spec in jax.tree_util.tree_leaves(
+        specs, is_leaf=lambda s: isinstance(s, P)) for a in spec_axes(spec)}
+    if axis_name is None:
+        axes = tuple(a for a in mesh.axis_names if a not in sharded)
+    else:
+        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        both = sorted(set(axes) & sharded)
+        if both:
+            raise ValueError(
+                f"assert_replicated: axis_name={axis_name!r}, but some leaves "
+                f"are sharded over {both}: their devices hold different parts.")
+    if not axes:
+        return
     # The data is declared varying so that shard_map does not assume it equal.
     flags = jax.jit(jax.shard_map(
-        lambda t: leaf_agreement(t, axes), mesh=mesh, in_specs=P(),
+        lambda t: leaf_agreement(t, axes), mesh=mesh, in_specs=(specs,),
         out_specs=P(), check_vma=False))(tree)
     paths = [jax.tree_util.keystr(path) for path, ok in
              jax.tree_util.tree_flatten_with_path(flags)[0] if not bool(ok)]

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
+from skipreduce_jax import _shards
 from skipreduce_jax._per_rank import per_rank_fields
 from skipreduce_jax._vma import varying_axes
 
@@ -285,7 +286,10 @@ class DataParallelStep:
                  donate_argnums, *, api, describe=_default_describe,
                  manual_axes=None):
         self._step_fn = step_fn
-        self._manual = set(axes if manual_axes is None else manual_axes)
+        # "unsharded": the data axes and every axis no argument is sharded
+        # over (the training helpers: a replicated model is run per device).
+        self._manual_rule = manual_axes
+        self._manual = set(axes if manual_axes in (None, "unsharded") else manual_axes)
         self._mesh = mesh
         self._axes = axes
         self._batch = batch_argnums
@@ -347,6 +351,11 @@ class DataParallelStep:
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)
+        # How each leaf is laid out, for the trace that follows (the jit
+        # cache keys on input shardings, so a new layout traces again).
+        self._specs = [None if i in self._static else
+                       [_spec_of(x, mesh) for x in jax.tree_util.tree_leaves(a)]
+                       for i, a in enumerate(placed)]
         return tuple(placed)
 
     def _traced(self, *args):
@@ -366,6 +375,7 @@ class DataParallelStep:
                 full[i] = value
             out = self._step_fn(*full)
             with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
+            found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
             found["flags"] = per_rank_flags(out)
             _check_outputs(with_paths, found["flags"], axes, self._describe,
                            api=self._api)
@@ -380,12 +390,159 @@ class DataParallelStep:
                                  out_specs=out_specs, axis_names=self._manual,
                                  check_vma=True)
 
+        arg_specs = [self._specs[i] if self._specs else None for i in dynamic]
+        if self._manual_rule == "unsharded":
+            used = {a for i, specs in zip(dynamic, arg_specs, strict=True)
+                    if i not in self._batch for s in specs or () if s is not None
+                    for a in _spec_axes(s)}
+            self._manual = {a for a in self._mesh.axis_names
+                            if a in self._axes or a not in used}
+        compiler = [a for a in self._mesh.axis_names if a not in self._manual]
+        if compiler and any(_without(s, self._manual) for specs in arg_specs
+                            for s in specs or ()):
+            return self._traced_sharded(args, dynamic, flat, tuple(in_specs),
+                                        arg_specs, local, mapped, found, compiler)
         # A first, abstract trace finds the outputs' structure and which of
         # them are per rank; the outer jit caches both traces.
         jax.eval_shape(mapped(probe, ()), *flat)
         out_specs = tuple(spec if f else P() for f in found["flags"])
         out = mapped(local, out_specs)(*flat)
         return found["tree"].unflatten(out)
+
+    def _traced_sharded(self, args, dynamic, flat, in_specs, arg_specs, local,
+                        mapped, found, compiler):
+        """The step when arguments are sharded over the compiler's axes.
+
+        Each leaf keeps its layout over the other axes: ``skip_reduce`` is
+        told the params' specs (the types do not carry them under Auto
+        axes), and an output with the structure of an argument gets that
+        argument's layout back (others are replicated over those axes).
+        """
+        spec = data_spec(self._axes)
+        flat_specs = [s for specs in arg_specs for s in (specs or [])]
+        other = [_without(s, self._manual) for s in flat_specs]
+
+        def hinted(*local_flat):
+            with _shards.hints(local_flat, other):
+                return local(*local_flat)
+
+        def probe(*local_flat):
+            hinted(*local_flat)
+            return ()
+
+        types = dict(zip(self._mesh.axis_names, self._mesh.axis_types, strict=True))
+        explicit = tuple(a for a in compiler
+                         if types[a] == jax.sharding.AxisType.Explicit)
+
+        def on_mesh(fn, out_specs, out_sharding):
+            """``mapped(fn)``; under Explicit axes, with them switched to Auto.
+
+            A partial-manual shard_map takes values sharded over Explicit
+            axes only as Auto (on the context mesh auto_axes sets).
+            """
+            if not explicit:
+                return mapped(fn, out_specs)
+
+            def inner(*a):
+                return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
+                                     axis_names=self._manual, check_vma=True)(*a)
+
+            return jax.sharding.auto_axes(inner, axes=explicit,
+                                          out_sharding=out_sharding)
+
+        jax.eval_shape(on_mesh(probe, (), ()), *flat)
+        out_tree, flags = found["tree"], found["flags"]
+        out_specs = tuple(spec if f else P() for f in flags)
+        kept = [(args[i], specs) for i, specs in zip(dynamic, arg_specs, strict=True)
+                if i not in self._batch]
+        layouts = _output_layouts(out_tree, [a for a, _ in kept],
+                                  [s for _, s in kept], self._manual)
+        full = [_with_data(layout, ndim, spec if f else None) for layout, ndim, f
+                in zip(layouts, found["ndims"], flags, strict=True)]
+        out = on_mesh(hinted, out_specs, tuple(full))(*flat)
+        if not explicit:
+            out = [lax.with_sharding_constraint(o, NamedSharding(self._mesh, f))
+                   for o, f in zip(out, full, strict=True)]
+        return out_tree.unflatten(out)
+
+
+def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P | None:
+    """``x``'s PartitionSpec if it is laid out on ``mesh`` (else None)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return sharding.spec
+    return None
+
+
+def _without(spec: P | None, axes: set[str]) -> P | None:
+    """``spec`` with the axes in ``axes`` removed (None if nothing is left)."""
+    if spec is None:
+        return None
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in as_tuple(entry) if a not in axes) if entry else ()
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries) if any(e is not None for e in entries) else None
+
+
+def _with_data(layout: tuple[P | None, int] | None, ndim: int,
+               data: P | None) -> P:
+    """The full spec of an output leaf of ``ndim`` dimensions.
+
+    ``layout`` is the (spec over the compiler's axes, ndim) of the argument
+    leaf it comes from; a per-rank leaf (``data``: the data axes' spec) has
+    its rows over the data axes first, as an extra leading dimension when it
+    has one more than that argument leaf (an error-feedback residual of a
+    param), else split with the leaf's own leading dimension.
+    """
+    spec, base = layout if layout is not None else (None, ndim)
+    entries = list(spec or ()) + [None] * (base - len(spec or ()))
+    if data is None:
+        return P(*entries)
+    if ndim == base + 1:
+        return P(data[0], *entries)
+    head = entries[0] if entries else None
+    axes = tuple(as_tuple(data[0])) + (tuple(as_tuple(head)) if head else ())
+    return P(axes[0] if len(axes) == 1 else axes, *entries[1:])
+
+
+def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any],
+                    manual: set[str]) -> list[tuple[P | None, int] | None]:
+    """Per output leaf: the layout over the compiler's axes it should keep.
+
+    An output subtree with the structure of an argument (the params, the
+    optimizer state, a TrainState or an NNX object going round the loop)
+    gets that argument's layout, leaf by leaf; other outputs are replicated
+    over the compiler's axes.
+    """
+    by_structure = {}
+    for arg, specs in zip(args, arg_specs, strict=True):
+        structure = jax.tree_util.tree_structure(arg)
+        if specs and structure.num_nodes > 1:  # a container, not one array
+            by_structure.setdefault(structure, [
+                (_without(s, manual), np.ndim(leaf))
+                for s, leaf in zip(specs, jax.tree_util.tree_leaves(arg), strict=True)])
+    dummy = out_tree.unflatten([0] * out_tree.num_leaves)
+    layouts = []
+
+    def visit(node):
+        structure = jax.tree_util.tree_structure(node)
+        if structure.num_leaves == 0:
+            return
+        if structure in by_structure:
+            layouts.extend(by_structure[structure])
+        elif structure.num_nodes == 1:  # a leaf
+            layouts.append(None)
+        else:
+            for child in _children(node):
+                visit(child)
+
+    visit(dummy)
+    return layouts
+
+
+def _children(node: Any) -> list[Any]:
+    return jax.tree_util.tree_flatten(node, is_leaf=lambda n: n is not node)[0]
 
 
 def _mesh_context(mesh: jax.sharding.Mesh) -> Any:

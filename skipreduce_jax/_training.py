@@ -216,16 +216,17 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
       ValueError: if the seed or the settings differ between devices.
     """
     axes = mesh_axes(mesh, axis_name, api="init_opt_state")
-    specs = state_specs(jax.eval_shape(tx.init, params), axes)
 
     def local_init(params):
         state = tx.init(params)
         _check_per_rank_axes(state, axes, mesh.axis_names)
         return state
 
-    init = jax.shard_map(local_init, mesh=mesh, in_specs=P(), out_specs=specs,
-                         check_vma=True)
-    opt_state = jax.jit(init)(params)
+    # The step's own machinery: params keep their layout over other mesh
+    # axes, per-rank fields get a row per rank, the rest is replicated.
+    opt_state = build_step(local_init, mesh, axes, batch_argnums=(),
+                           static_argnums=(), donate_argnums=(),
+                           api="init_opt_state", manual_axes="unsharded")(params)
     check_settings_agree(opt_state, mesh)
     return opt_state
 
@@ -342,7 +343,7 @@ def make_train_step(
 
     return build_step(local_step, mesh, axes, batch_argnums=2,
                       static_argnums=(), donate_argnums=(0, 1) if donate else (),
-                      api="make_train_step", manual_axes=mesh.axis_names)
+                      api="make_train_step", manual_axes="unsharded")
 
 
 def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:

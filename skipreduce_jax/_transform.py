@@ -82,6 +82,7 @@ class _Config:
     accumulate_dtype: Any
     verify_sync: bool
     check_finite: bool
+    params_sharded: bool
 
     def fingerprint(self) -> int:
         """A checksum of the settings that every rank must share."""
@@ -119,6 +120,7 @@ def skip_reduce(
     accumulate_dtype: Any = None,
     check_finite: bool = False,
     verify_sync: bool = False,
+    params_sharded: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
@@ -178,6 +180,12 @@ def skip_reduce(
       verify_sync: debug: every step, compare the step count, key and
         settings across ranks (two all-reduces of a few words) and raise if
         they differ.
+      params_sharded: the params are sharded over ``axis_name`` (FSDP /
+        ZeRO): for a param that is this rank's 1/N block along its leading
+        axis (its gradient is the whole leaf), the update is this rank's
+        block of the mean, from :func:`skip_psum_scatter`; other params keep
+        the all-reduce. Selection (``min_size``) counts whole leaves, and
+        error feedback keeps what was left out of the whole local gradient.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
@@ -232,7 +240,7 @@ def skip_reduce(
 def _make_config(
     *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
     min_size, warmup_steps, error_feedback, inner_axis, chunks_per_rank,
-    bucket_bytes, accumulate_dtype, check_finite, verify_sync,
+    bucket_bytes, accumulate_dtype, check_finite, verify_sync, params_sharded,
 ) -> _Config:
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
@@ -273,7 +281,8 @@ def _make_config(
     check_selective(selective, api=_API)
     flags = {name: checks.check_bool(value, name, api=_API) for name, value in (
         ("randomize", randomize), ("error_feedback", error_feedback),
-        ("check_finite", check_finite), ("verify_sync", verify_sync))}
+        ("check_finite", check_finite), ("verify_sync", verify_sync),
+        ("params_sharded", params_sharded))}
     chunks_per_rank, bucket_bytes = coll.check_sizes(
         chunks_per_rank, bucket_bytes, api=_API)
     accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
@@ -427,6 +436,8 @@ def _merge(flags: list[bool], when_true: list[Any], when_false: list[Any]) -> li
 def _gradient_shape(param: Any, config: _Config) -> tuple[int, ...]:
     """The shape of a param's local gradient (whole, for an FSDP shard)."""
     shape = tuple(np.shape(param))
+    if not config.params_sharded:
+        return shape
     try:
         sharded = (coll.vma_checked(config.axis_name)
                    and config.axis_name in coll.varying_axes(param))
@@ -444,8 +455,20 @@ def _scattered(leaves: list[jax.Array], params: Any, n: int,
     A shard is a param of leading size L / N (typed varying over the data
     axis under check_vma=True) whose gradient has leading size L.
     """
-    if params is None:
+    if not config.params_sharded:
+        for g, p in zip(leaves, jax.tree_util.tree_leaves(params)):
+            gs, ps = tuple(np.shape(g)), tuple(np.shape(p))
+            if gs and ps == (gs[0] // n,) + gs[1:] and gs[0] == n * ps[0] != ps[0]:
+                raise ValueError(
+                    f"{_API}: a gradient of shape {gs} belongs to a param of "
+                    f"shape {ps}, its 1/{n} block: the params are sharded over "
+                    f"{config.axis_name!r} (FSDP). Pass params_sharded=True.")
         return [False] * len(leaves)
+    if params is None:
+        raise ValueError(
+            f"{_API}(params_sharded=True): update() got params=None; pass the "
+            "param shards, tx.update(grads, state, params) (optax.chain passes "
+            "them through).")
     param_leaves = jax.tree_util.tree_leaves(params)
     if len(param_leaves) != len(leaves):
         return [False] * len(leaves)

@@ -66,7 +66,7 @@ def _placed(params, mesh):
 def test_num_skip_zero_equals_xlas_fsdp_step():
     mesh = jax.make_mesh((N,), ("data",))
     params, x, y = _data()
-    tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0), optax.adamw(1e-2))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0, params_sharded=True), optax.adamw(1e-2))
     init_f, step_f = _step_fns(tx, mesh)
     p = _placed(params, mesh)
     s = init_f(p)
@@ -98,7 +98,7 @@ def test_error_feedback_delivers_every_value_once(randomize):
     mesh = jax.make_mesh((N,), ("data",))
     params, x, y = _data()
     tx = sr.skip_reduce("data", num_skip=3, min_size=0, error_feedback=True,
-                        randomize=randomize)
+                        randomize=randomize, params_sharded=True)
     init_f, step_f = _step_fns(optax.chain(tx, optax.sgd(0.1)), mesh)
     p, s = _placed(params, mesh), None
     s = init_f(p)
@@ -121,7 +121,7 @@ def test_traffic_is_the_formula():
     """Bytes per step: the param all-gather plus (N-1-k)/N of the gradient."""
     mesh = jax.make_mesh((N,), ("data",))
     params, x, y = _data()
-    tx = optax.chain(sr.skip_reduce("data", num_skip=3, min_size=0,
+    tx = optax.chain(sr.skip_reduce("data", num_skip=3, min_size=0, params_sharded=True,
                                     selective={"w": True, "b": False}), optax.sgd(0.1))
     init_f, step_f = _step_fns(tx, mesh)
     p = _placed(params, mesh)
@@ -140,11 +140,25 @@ def test_a_gradient_that_fits_no_param_layout_is_refused():
     mesh = jax.make_mesh((N,), ("data",))
 
     def f(g, p):
-        tx = sr.skip_reduce("data", num_skip=1, min_size=0)
+        tx = sr.skip_reduce("data", num_skip=1, min_size=0, params_sharded=True)
         return tx.update({"w": g}, tx.init({"w": p}), {"w": p})[0]["w"]
 
     g = jax.device_put(jnp.zeros((N * 16, 4)), NamedSharding(mesh, P("data")))
     p = jax.device_put(jnp.zeros((N * 3, 4)), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match=r"neither the same shape"):
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")),
+                              out_specs=P("data")))(g, p)
+
+
+def test_shards_without_params_sharded_name_the_fix():
+    mesh = jax.make_mesh((N,), ("data",))
+
+    def f(g, p):
+        tx = sr.skip_reduce("data", num_skip=1, min_size=0)
+        return tx.update({"w": g}, tx.init({"w": p}), {"w": p})[0]["w"]
+
+    g = jax.device_put(jnp.zeros((N * 16, 4)), NamedSharding(mesh, P("data")))
+    p = jax.device_put(jnp.zeros((N * 2, 4)), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"its 1/8 block.*Pass params_sharded=True"):
         jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")),
                               out_specs=P("data")))(g, p)
