@@ -171,7 +171,12 @@ def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
     if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
             x.sharding.mesh == mesh and not _spec_axes(x.sharding.spec)
             & set(axes)):
-        return x
+        spec = _canonical(x.sharding.spec)
+        if spec == x.sharding.spec or not _spec_axes(spec):
+            return x
+        # One spelling of each layout (the step's outputs are spelled so),
+        # so that feeding outputs back hits the same compilation.
+        return jax.device_put(x, NamedSharding(mesh, spec))
     sharding = replicated_sharding(x, mesh)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
                                                                 x.ndim):
@@ -189,8 +194,8 @@ def place_batch(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], *,
     per-rank state restored from a checkpoint).
     """
     sharding = NamedSharding(mesh, data_spec(axes))
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
-                                                                x.ndim):
+    if isinstance(x, jax.Array) and (x.sharding.is_equivalent_to(sharding, x.ndim)
+                                     or _split_over(x, mesh, axes)):
         return x
     if _is_global(x):
         return jax.jit(lambda v: v, out_shardings=sharding)(x)
@@ -199,6 +204,42 @@ def place_batch(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], *,
     if process_local:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
     return _from_host(x, sharding)
+
+
+def _split_over(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether ``x``'s rows are split over ``axes`` first (and maybe more).
+
+    E.g. a batch ``P(("replica", "fsdp"))`` or a residual ``P("replica",
+    None, "fsdp")``: the data axes lead the first dimension and appear
+    nowhere else; the rest of the layout belongs to the compiler's axes.
+    """
+    sharding = getattr(x, "sharding", None)
+    if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+            and len(sharding.spec)):
+        return False
+    head = as_tuple(sharding.spec[0]) if sharding.spec[0] else ()
+    rest = _spec_axes(P(*sharding.spec[1:]))
+    return head[:len(axes)] == axes and not set(axes) & (set(head[len(axes):]) | rest)
+
+
+def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
+                     axes: tuple[str, ...], *, api: str) -> None:
+    """Refuses a replicated argument that is sharded over the data axes.
+
+    Copying it to every device would gather it silently: that layout is
+    FSDP over the data axis, which needs a reduce-scatter of its gradient.
+    """
+    spec = _spec_of(x, mesh)
+    split = sorted(_spec_axes(spec) & set(axes)) if spec is not None else []
+    if split:
+        raise ValueError(
+            f"{api}: argument {argnum} at {jax.tree_util.keystr(path) or 'the root'} "
+            f"is sharded over {split} (spec {spec}), a data axis, but it is "
+            "not in batch_argnums: it would be gathered onto every device. "
+            "Params sharded over the data axis are FSDP, whose gradients need "
+            "a reduce-scatter (skip_psum_scatter, skip_reduce(params_sharded="
+            "True)) in a step of your own. Shard params over the other mesh "
+            "axes only, or replicate them over the data axis.")
 
 
 def _is_global(x: Any) -> bool:
@@ -347,6 +388,7 @@ class DataParallelStep:
                         new.append(place_batch(x, mesh, axes,
                                                process_local=False))
                     else:
+                        _check_not_split(path, x, i, mesh, axes, api=api)
                         new.append(_place_replicated(x, mesh, axes))
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
@@ -466,6 +508,14 @@ class DataParallelStep:
         return out_tree.unflatten(out)
 
 
+def _canonical(spec: P) -> P:
+    """``spec`` without trailing None entries (as jit spells its outputs)."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
 def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P | None:
     """``x``'s PartitionSpec if it is laid out on ``mesh`` (else None)."""
     sharding = getattr(x, "sharding", None)
@@ -498,12 +548,12 @@ def _with_data(layout: tuple[P | None, int] | None, ndim: int,
     spec, base = layout if layout is not None else (None, ndim)
     entries = list(spec or ()) + [None] * (base - len(spec or ()))
     if data is None:
-        return P(*entries)
+        return _canonical(P(*entries))
     if ndim == base + 1:
-        return P(data[0], *entries)
+        return _canonical(P(data[0], *entries))
     head = entries[0] if entries else None
     axes = tuple(as_tuple(data[0])) + (tuple(as_tuple(head)) if head else ())
-    return P(axes[0] if len(axes) == 1 else axes, *entries[1:])
+    return _canonical(P(axes[0] if len(axes) == 1 else axes, *entries[1:]))
 
 
 def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any],

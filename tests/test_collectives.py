@@ -345,19 +345,22 @@ def test_bad_flags_and_keywords():
     assert list(params) == list(inspect.signature(sr.skip_pmean).parameters)
 
 
-def test_leaf_sharded_over_an_explicit_compiler_axis_is_refused():
+def test_leaf_sharded_over_an_explicit_compiler_axis_is_reduced_shard_by_shard():
     # shard_map manual over "data" only; "model" is Explicit (make_mesh's
-    # default) and the leaf is sharded over it: the ring cannot flatten it.
+    # default) and the leaf is typed sharded over it: each device reduces
+    # its own shard and the sum keeps the sharding (tests/test_sharded.py).
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    x = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("data", "model")))
-    f = jax.shard_map(lambda v: sr.skip_psum(v, "data", key=jax.random.key(0),
-                                             num_skip=1),
-                      mesh=mesh, in_specs=P("data"), out_specs=P(),
-                      axis_names={"data"})
-    with pytest.raises(ValueError, match=r"skip_psum: got a leaf of type "
-                       r"float32\[2,6@model\].*sharded over the mesh axes "
-                       r"\['model'\].*Make \['model'\] manual too"):
-        jax.jit(f)(x)
+    x = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("data")))
+
+    def f(v):
+        v = jax.sharding.reshard(v, P(None, "model"))
+        return sr.skip_psum(v, "data", key=jax.random.key(0), num_skip=1)
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(jax.shard_map(f, in_specs=P("data"), out_specs=P(),
+                                    axis_names={"data"}))(x)
+    assert out.sharding.spec == P(None, "model")
+    np.testing.assert_allclose(np.asarray(out), 3.0)  # N - k = 3 ranks summed
 
 
 def test_raw_uint32_key_is_accepted():
