@@ -66,7 +66,8 @@ def _placed(params, mesh):
 def test_num_skip_zero_equals_xlas_fsdp_step():
     mesh = jax.make_mesh((N,), ("data",))
     params, x, y = _data()
-    tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0, params_sharded=True), optax.adamw(1e-2))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0, params_sharded=True),
+                     optax.adamw(1e-2))
     init_f, step_f = _step_fns(tx, mesh)
     p = _placed(params, mesh)
     s = init_f(p)

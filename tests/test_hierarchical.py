@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import popcount
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import popcount
 
 AXES = ("host", "local")
 
@@ -50,8 +50,8 @@ def test_each_element_sums_whole_hosts(hosts, local, randomize):
         assert np.all((per_host == group).sum(0) == hosts - k)
         assert np.all(popcount(sums[0, 0]) == (hosts - k) * local)
         for h in range(hosts):                             # mask agrees
-            for l in range(local):
-                np.testing.assert_array_equal(masks[h, l], per_host[h] == group)
+            for d in range(local):
+                np.testing.assert_array_equal(masks[h, d], per_host[h] == group)
 
 
 @pytest.mark.parametrize("randomize", [True, False])

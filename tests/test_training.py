@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import line_mesh, per_rank
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from helpers import line_mesh, per_rank
 
 N = 8
 
