@@ -43,6 +43,7 @@ from skipreduce_jax._training import local_value_and_grad as local_value_and_gra
 from skipreduce_jax._training import make_train_step as make_train_step
 from skipreduce_jax._training import replicate as replicate
 from skipreduce_jax._training import shard_batch as shard_batch
+from skipreduce_jax._training import shard_params as shard_params
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState

@@ -171,12 +171,7 @@ def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
     if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
             x.sharding.mesh == mesh and not _spec_axes(x.sharding.spec)
             & set(axes)):
-        spec = _canonical(x.sharding.spec)
-        if spec == x.sharding.spec or not _spec_axes(spec):
-            return x
-        # One spelling of each layout (the step's outputs are spelled so),
-        # so that feeding outputs back hits the same compilation.
-        return jax.device_put(x, NamedSharding(mesh, spec))
+        return x
     sharding = replicated_sharding(x, mesh)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
                                                                 x.ndim):
@@ -224,22 +219,22 @@ def _split_over(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
 
 def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
                      axes: tuple[str, ...], *, api: str) -> None:
-    """Refuses a replicated argument that is sharded over the data axes.
+    """Refuses an argument split over the data axes other than by rows.
 
-    Copying it to every device would gather it silently: that layout is
-    FSDP over the data axis, which needs a reduce-scatter of its gradient.
+    A leaf whose leading dimension is split over the data axes first enters
+    as this rank's block (FSDP / ZeRO); any other split over them would be
+    gathered onto every device silently.
     """
     spec = _spec_of(x, mesh)
     split = sorted(_spec_axes(spec) & set(axes)) if spec is not None else []
     if split:
+        first = axes[0] if len(axes) == 1 else axes
         raise ValueError(
             f"{api}: argument {argnum} at {jax.tree_util.keystr(path) or 'the root'} "
-            f"is sharded over {split} (spec {spec}), a data axis, but it is "
-            "not in batch_argnums: it would be gathered onto every device. "
-            "Params sharded over the data axis are FSDP, whose gradients need "
-            "a reduce-scatter (skip_psum_scatter, skip_reduce(params_sharded="
-            "True)) in a step of your own. Shard params over the other mesh "
-            "axes only, or replicate them over the data axis.")
+            f"is sharded over {split} (spec {spec}), a data axis, but not along "
+            "its leading dimension first. Shard params over the data axis by "
+            f"rows (P({first!r}, ...): FSDP, each rank its block), over the other "
+            "mesh axes only, or replicate them over the data axis.")
 
 
 def _is_global(x: Any) -> bool:
@@ -387,9 +382,12 @@ class DataParallelStep:
                         _check_rows(path, x, ranks, axes, api=api)
                         new.append(place_batch(x, mesh, axes,
                                                process_local=False))
+                    elif _split_over(x, mesh, axes):
+                        new.append(x)  # this rank's block (FSDP / ZeRO shards)
                     else:
                         _check_not_split(path, x, i, mesh, axes, api=api)
                         new.append(_place_replicated(x, mesh, axes))
+            new = [_respell(x, mesh, axes) for x in new]
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)
@@ -403,11 +401,25 @@ class DataParallelStep:
     def _traced(self, *args):
         axes, spec = self._axes, data_spec(self._axes)
         dynamic = [i for i in range(len(args)) if i not in self._static]
+        arg_specs = [(self._specs[i] if self._specs else None)
+                     or [None] * len(jax.tree_util.tree_leaves(args[i]))
+                     for i in dynamic]
+        if self._manual_rule == "unsharded":
+            used = {a for i, specs in zip(dynamic, arg_specs, strict=True)
+                    if i not in self._batch for s in specs if s is not None
+                    for a in _spec_axes(s)}
+            self._manual = {a for a in self._mesh.axis_names
+                            if a in self._axes or a not in used}
+        manual = self._manual
         in_specs = []
-        for i in dynamic:
+        for i, specs in zip(dynamic, arg_specs, strict=True):
             flags = per_rank_flags(args[i])
-            in_specs += [spec if i in self._batch or f else P() for f in flags]
+            in_specs += [spec if i in self._batch or f or _leads_with(s, axes) else P()
+                         for f, s in zip(flags, specs, strict=True)]
         flat, in_tree = jax.tree_util.tree_flatten([args[i] for i in dynamic])
+        other = [_without(s, manual) for specs in arg_specs for s in specs]
+        kept = [(args[i], specs) for i, specs in zip(dynamic, arg_specs, strict=True)
+                if i not in self._batch]
         found = {}
 
         def local(*local_flat):
@@ -415,97 +427,79 @@ class DataParallelStep:
             for i, value in zip(dynamic, in_tree.unflatten(local_flat),
                                 strict=True):
                 full[i] = value
-            out = self._step_fn(*full)
+            with _shards.hints(local_flat, other):
+                out = self._step_fn(*full)
             with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
             found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
             found["flags"] = per_rank_flags(out)
-            _check_outputs(with_paths, found["flags"], axes, self._describe,
-                           api=self._api)
+            # An output with the structure of an argument keeps its layout.
+            found["layouts"] = _output_layouts(found["tree"], [a for a, _ in kept],
+                                               [s for _, s in kept])
+            found["blocks"] = [_leads_with(layout and layout[0], axes)
+                               for layout in found["layouts"]]
+            _check_outputs(with_paths, [f or b for f, b in zip(
+                found["flags"], found["blocks"], strict=True)], axes,
+                self._describe, api=self._api)
             return tuple(leaf for _, leaf in with_paths)
 
         def probe(*local_flat):
             local(*local_flat)
             return ()
 
-        def mapped(fn, out_specs):
-            return jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(in_specs),
-                                 out_specs=out_specs, axis_names=self._manual,
-                                 check_vma=True)
-
-        arg_specs = [self._specs[i] if self._specs else None for i in dynamic]
-        if self._manual_rule == "unsharded":
-            used = {a for i, specs in zip(dynamic, arg_specs, strict=True)
-                    if i not in self._batch for s in specs or () if s is not None
-                    for a in _spec_axes(s)}
-            self._manual = {a for a in self._mesh.axis_names
-                            if a in self._axes or a not in used}
-        compiler = [a for a in self._mesh.axis_names if a not in self._manual]
-        if compiler and any(_without(s, self._manual) for specs in arg_specs
-                            for s in specs or ()):
-            return self._traced_sharded(args, dynamic, flat, tuple(in_specs),
-                                        arg_specs, local, mapped, found, compiler)
-        # A first, abstract trace finds the outputs' structure and which of
-        # them are per rank; the outer jit caches both traces.
-        jax.eval_shape(mapped(probe, ()), *flat)
-        out_specs = tuple(spec if f else P() for f in found["flags"])
-        out = mapped(local, out_specs)(*flat)
-        return found["tree"].unflatten(out)
-
-    def _traced_sharded(self, args, dynamic, flat, in_specs, arg_specs, local,
-                        mapped, found, compiler):
-        """The step when arguments are sharded over the compiler's axes.
-
-        Each leaf keeps its layout over the other axes: ``skip_reduce`` is
-        told the params' specs (the types do not carry them under Auto
-        axes), and an output with the structure of an argument gets that
-        argument's layout back (others are replicated over those axes).
-        """
-        spec = data_spec(self._axes)
-        flat_specs = [s for specs in arg_specs for s in (specs or [])]
-        other = [_without(s, self._manual) for s in flat_specs]
-
-        def hinted(*local_flat):
-            with _shards.hints(local_flat, other):
-                return local(*local_flat)
-
-        def probe(*local_flat):
-            hinted(*local_flat)
-            return ()
-
+        compiler = [a for a in self._mesh.axis_names if a not in manual]
         types = dict(zip(self._mesh.axis_names, self._mesh.axis_types, strict=True))
         explicit = tuple(a for a in compiler
                          if types[a] == jax.sharding.AxisType.Explicit)
+        # Leaves laid out over the compiler's axes: under Explicit axes a
+        # partial-manual shard_map takes them only as Auto (on the context
+        # mesh auto_axes sets), and outputs are pinned to their layouts.
+        sharded = bool(compiler) and any(o is not None for o in other)
 
-        def on_mesh(fn, out_specs, out_sharding):
-            """``mapped(fn)``; under Explicit axes, with them switched to Auto.
-
-            A partial-manual shard_map takes values sharded over Explicit
-            axes only as Auto (on the context mesh auto_axes sets).
-            """
-            if not explicit:
-                return mapped(fn, out_specs)
+        def mapped(fn, out_specs, out_sharding):
+            if not (sharded and explicit):
+                return jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(in_specs),
+                                     out_specs=out_specs, axis_names=manual,
+                                     check_vma=True)
 
             def inner(*a):
-                return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
-                                     axis_names=self._manual, check_vma=True)(*a)
+                return jax.shard_map(fn, in_specs=tuple(in_specs), out_specs=out_specs,
+                                     axis_names=manual, check_vma=True)(*a)
 
-            return jax.sharding.auto_axes(inner, axes=explicit,
-                                          out_sharding=out_sharding)
+            return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_sharding)
 
-        jax.eval_shape(on_mesh(probe, (), ()), *flat)
-        out_tree, flags = found["tree"], found["flags"]
-        out_specs = tuple(spec if f else P() for f in flags)
-        kept = [(args[i], specs) for i, specs in zip(dynamic, arg_specs, strict=True)
-                if i not in self._batch]
-        layouts = _output_layouts(out_tree, [a for a, _ in kept],
-                                  [s for _, s in kept], self._manual)
-        full = [_with_data(layout, ndim, spec if f else None) for layout, ndim, f
-                in zip(layouts, found["ndims"], flags, strict=True)]
-        out = on_mesh(hinted, out_specs, tuple(full))(*flat)
-        if not explicit:
+        # A first, abstract trace finds the outputs' structure and layouts;
+        # the outer jit caches both traces.
+        jax.eval_shape(mapped(probe, (), ()), *flat)
+        out_tree = found["tree"]
+        rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
+        out_specs = tuple(spec if r else P() for r in rows)
+        full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
+                for layout, ndim, f in zip(found["layouts"], found["ndims"],
+                                           found["flags"], strict=True)]
+        out = mapped(local, out_specs, tuple(full))(*flat)
+        if sharded and not explicit:
             out = [lax.with_sharding_constraint(o, NamedSharding(self._mesh, f))
+                   if _spec_axes(f) - manual else o
                    for o, f in zip(out, full, strict=True)]
         return out_tree.unflatten(out)
+
+
+def _respell(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
+    """``x`` with its layout spelled as the step spells its outputs.
+
+    The jit cache keys on how a sharding is spelled: a layout over the
+    compiler's axes comes back without trailing Nones, one over the data
+    axes alone with an entry per dimension. Spelling inputs the same way
+    lets outputs fed back hit the first compilation.
+    """
+    spec = _spec_of(x, mesh)
+    if spec is None or not isinstance(x, jax.Array):
+        return x
+    if _spec_axes(spec) - set(axes):
+        want = _canonical(spec)
+    else:
+        want = P(*(list(spec) + [None] * (x.ndim - len(spec))))
+    return x if want == spec else jax.device_put(x, NamedSharding(mesh, want))
 
 
 def _canonical(spec: P) -> P:
@@ -535,17 +529,28 @@ def _without(spec: P | None, axes: set[str]) -> P | None:
     return P(*entries) if any(e is not None for e in entries) else None
 
 
-def _with_data(layout: tuple[P | None, int] | None, ndim: int,
-               data: P | None) -> P:
+def _leads_with(spec: P | None, axes: tuple[str, ...]) -> bool:
+    """Whether ``spec`` splits the leading dimension over ``axes`` first."""
+    if spec is None or not len(spec) or spec[0] is None:
+        return False
+    return tuple(as_tuple(spec[0]))[:len(axes)] == axes
+
+
+def _out_spec(layout: tuple[P | None, int] | None, ndim: int, data: P | None,
+              manual: set[str], axes: tuple[str, ...]) -> P:
     """The full spec of an output leaf of ``ndim`` dimensions.
 
-    ``layout`` is the (spec over the compiler's axes, ndim) of the argument
-    leaf it comes from; a per-rank leaf (``data``: the data axes' spec) has
-    its rows over the data axes first, as an extra leading dimension when it
-    has one more than that argument leaf (an error-feedback residual of a
-    param), else split with the leaf's own leading dimension.
+    ``layout`` is the (spec, ndim) of the argument leaf it comes from: a
+    block of the data axes (FSDP) keeps that spec whole; otherwise its
+    layout over the compiler's axes is kept, and a per-rank leaf (``data``:
+    the data axes' spec) has its rows over the data axes first, as an extra
+    leading dimension when it has one more than that argument leaf (an
+    error-feedback residual of a param), else split with its own leading one.
     """
     spec, base = layout if layout is not None else (None, ndim)
+    if data is None and _leads_with(spec, axes):
+        return _canonical(spec)
+    spec = _without(spec, manual)
     entries = list(spec or ()) + [None] * (base - len(spec or ()))
     if data is None:
         return _canonical(P(*entries))
@@ -556,8 +561,8 @@ def _with_data(layout: tuple[P | None, int] | None, ndim: int,
     return _canonical(P(axes[0] if len(axes) == 1 else axes, *entries[1:]))
 
 
-def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any],
-                    manual: set[str]) -> list[tuple[P | None, int] | None]:
+def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any]
+                    ) -> list[tuple[P | None, int] | None]:
     """Per output leaf: the layout over the compiler's axes it should keep.
 
     An output subtree with the structure of an argument (the params, the
@@ -570,7 +575,7 @@ def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any]
         structure = jax.tree_util.tree_structure(arg)
         if specs and structure.num_nodes > 1:  # a container, not one array
             by_structure.setdefault(structure, [
-                (_without(s, manual), np.ndim(leaf))
+                (s, np.ndim(leaf))
                 for s, leaf in zip(specs, jax.tree_util.tree_leaves(arg), strict=True)])
     dummy = out_tree.unflatten([0] * out_tree.num_leaves)
     layouts = []

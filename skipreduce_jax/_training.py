@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax._guards import leaf_agreement
@@ -180,6 +181,37 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """
     return jax.tree_util.tree_map(
         lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
+
+
+def shard_params(params: Any, mesh: jax.sharding.Mesh,
+                 axis_name: str = "data") -> Any:
+    """Shards params over the data axis by rows: FSDP / ZeRO's layout.
+
+    A leaf whose leading dimension divides by the axis size is split along
+    it (``P(axis_name)``: each device holds 1/N); others (scalars, biases
+    of other lengths) are replicated. Train them with
+    ``skip_reduce(..., params_sharded=True)`` and :func:`make_train_step`:
+    the loss sees whole params (gathered in the forward pass), and the
+    optimizer runs on each device's blocks. A leaf already sharded over
+    other mesh axes keeps that layout on its other dimensions.
+
+    Example:
+      >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
+      >>> p["w"].sharding.spec, p["b"].sharding.spec
+      (PartitionSpec('data',), PartitionSpec(None,))
+    """
+    axes = mesh_axes(mesh, axis_name, api="shard_params")
+    if len(axes) != 1:
+        raise ValueError(f"shard_params: axis_name={axis_name!r} must name one "
+                         "mesh axis.")
+    n = mesh.shape[axes[0]]
+
+    def place(x):
+        if np.ndim(x) and np.shape(x)[0] % n == 0:
+            return copy_to(x, NamedSharding(mesh, P(axes[0])))
+        return copy_to(x, replicated_sharding(x, mesh))
+
+    return jax.tree_util.tree_map(place, params)
 
 
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
@@ -335,9 +367,12 @@ def make_train_step(
         return jax.tree_util.tree_map(lambda x: x / microbatches, total)
 
     def local_step(params, opt_state, batch):
-        loss, grads = local_value_and_grads(params, batch)
+        # FSDP: params sharded over the data axis arrive as this rank's
+        # blocks; the loss sees them whole, the update is this rank's block.
+        whole = jax.tree_util.tree_map(lambda p: _gather_block(p, axes), params)
+        loss, grads = local_value_and_grads(whole, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        _check_reduced(updates, axes)
+        _check_reduced(updates, axes, params)
         return (optax.apply_updates(params, updates), opt_state,
                 lax.pmean(loss, axes))
 
@@ -346,11 +381,31 @@ def make_train_step(
                       api="make_train_step", manual_axes="unsharded")
 
 
-def _check_reduced(updates: Any, axes: tuple[str, ...]) -> None:
-    """Refuses updates that still differ by rank (``tx`` reduced nothing)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
+def _gather_block(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """A param whole: gathered if it is this rank's block over the data axis."""
+    if axes[0] not in varying_axes(param):
+        return param
+    if len(axes) > 1:
+        raise ValueError(
+            f"make_train_step: a param of local shape {param.shape} is sharded "
+            f"over {axes[0]!r} (FSDP), but axis_name={axes} is hierarchical. "
+            "Shard params over the data axis of a one-axis data mesh.")
+    return lax.all_gather(param, axes[0], tiled=True)
+
+
+def _check_reduced(updates: Any, axes: tuple[str, ...], params: Any) -> None:
+    """Refuses updates that still differ by rank (``tx`` reduced nothing).
+
+    The update of an FSDP block (a param that varies over the data axis) is
+    that rank's own.
+    """
+    blocks = [axes[0] in varying_axes(p) for p in jax.tree_util.tree_leaves(params)]
+    with_paths = jax.tree_util.tree_leaves_with_path(updates)
+    if len(blocks) != len(with_paths):
+        blocks = [False] * len(with_paths)
+    for (path, leaf), block in zip(with_paths, blocks, strict=True):
         varying = [a for a in axes if a in varying_axes(leaf)]
-        if not varying:
+        if not varying or block:
             continue
         where = (f"make_train_step: tx returned an update at "
                  f"{jax.tree_util.keystr(path) or 'the root'} that still "

@@ -183,9 +183,23 @@ def test_bytes_over_the_replica_axis_are_the_formula(k):
     assert other <= gspmd_other
 
 
-def test_a_param_sharded_over_the_replica_axis_is_refused():
+def test_a_param_sharded_over_the_replica_axis_names_the_fix():
+    """FSDP over the replica axis needs skip_reduce(params_sharded=True)."""
     mesh = jax.make_mesh((4, 2), ("replica", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    params = {"w": jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("replica")))}
+    batch = (np.ones((8, 8), np.float32), np.ones((8, 4), np.float32))
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+
     tx = optax.chain(sr.skip_reduce("replica", num_skip=1, min_size=0), optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"sharded over .*'replica'.*FSDP"):
+    params = {"w": jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("replica")))}
+    opt_state = sr.init_opt_state(tx, params, mesh, "replica")
+    step = sr.make_train_step(loss, tx, mesh, "replica")
+    with pytest.raises(ValueError, match=r"its 1/4 block.*Pass params_sharded=True"):
+        step(params, opt_state, batch)
+    # Split over the replica axis on another dimension: gathered silently
+    # otherwise, so refused.
+    params = {"w": jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P(None, "replica")))}
+    with pytest.raises(ValueError, match=r"sharded over \['replica'\].*not along its "
+                                         r"leading dimension"):
         sr.init_opt_state(tx, params, mesh, "replica")
