@@ -228,8 +228,7 @@ def _reduce(
             left_out.append(_left_out(buffer, schedule, axis_name, inner))
         acc_dtype = summed_dtype(bucket.dtype, accumulate_dtype)
         if inner_axis is not None:
-            buffer = lax.psum_scatter(buffer.astype(acc_dtype), inner_axis,
-                                      tiled=True)
+            buffer = _scatter_inner(buffer.astype(acc_dtype), inner_axis, inner)
         shard = _ring.reduce_scatter(buffer, schedule, axis_name,
                                      accumulate_dtype=acc_dtype)
         # Scale and cast the 1/N shard, not the whole buffer.
@@ -257,6 +256,25 @@ def _reduce(
     if not with_left_out:
         return result
     return result, plan.unpack(left_out, fill=lambda i: jnp.zeros_like(leaves[i]))
+
+
+# Rows of this many elements make the inner reduce-scatter a true one on TPU.
+_SCATTER_ROW = 128
+
+
+def _scatter_inner(buffer: jax.Array, inner_axis: str, inner: int) -> jax.Array:
+    """The full reduce-scatter over the inner axis of a flat bucket.
+
+    XLA:TPU compiles the scatter of a 1-D buffer as a full all-reduce and a
+    slice (twice the bytes over the slice's links, and merged with the other
+    buckets' into one all-reduce after the backward pass); laid out in rows
+    of 128 it emits a reduce-scatter (benchmarks/pods.md). Same elements per
+    shard either way.
+    """
+    if buffer.size % (_SCATTER_ROW * inner):
+        return lax.psum_scatter(buffer, inner_axis, tiled=True)
+    rows = buffer.reshape(-1, _SCATTER_ROW)
+    return lax.psum_scatter(rows, inner_axis, tiled=True).reshape(-1)
 
 
 def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,

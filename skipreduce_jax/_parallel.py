@@ -373,12 +373,15 @@ class DataParallelStep:
             with_paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
             if i in self._batch:
                 _check_batch(arg, i, ranks, axes, api=api)
-                new = [place_batch(x, mesh, axes) for _, x in with_paths]
+                new = [x if isinstance(x, jax.ShapeDtypeStruct) else
+                       place_batch(x, mesh, axes) for _, x in with_paths]
             else:
                 new = []
                 for (path, x), per_rank in zip(with_paths, per_rank_flags(arg),
                                                strict=True):
-                    if per_rank:
+                    if isinstance(x, jax.ShapeDtypeStruct):
+                        new.append(x)
+                    elif per_rank:
                         _check_rows(path, x, ranks, axes, api=api)
                         new.append(place_batch(x, mesh, axes,
                                                process_local=False))
@@ -387,7 +390,9 @@ class DataParallelStep:
                     else:
                         _check_not_split(path, x, i, mesh, axes, api=api)
                         new.append(_place_replicated(x, mesh, axes))
-            new = [_respell(x, mesh, axes) for x in new]
+            # Abstract arguments (for lower) keep the shardings they name.
+            new = [x if isinstance(x, jax.ShapeDtypeStruct) else _respell(y, mesh, axes)
+                   for (_, x), y in zip(with_paths, new, strict=True)]
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)

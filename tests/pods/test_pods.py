@@ -145,3 +145,14 @@ def test_skipreduce_step_sends_its_share_over_the_slow_axis(platform, steps):
 def test_skipreduce_step_memory_is_within_ten_percent_of_gspmd(steps):
     _, gspmd, skip = steps
     assert pods.device_memory(skip) == pytest.approx(pods.device_memory(gspmd), rel=0.10)
+
+
+def test_the_inner_scatter_is_a_reduce_scatter_not_an_all_reduce(platform, steps):
+    """Hierarchical mode's full reduce-scatter over the fast axis compiles to
+    reduce-scatters: no bucket-sized all-reduce within a slice or node."""
+    mesh, _, skip = steps
+    found = pods.collectives(skip.as_text(), pods.mesh_nodes(mesh))
+    fast = [c for c in found if not c.slow]
+    biggest = max(4 * x.size for x in jax.tree_util.tree_leaves(pods.mlp(1024, 4)[1]))
+    assert any(c.kind == "reduce-scatter" for c in fast)
+    assert not [c for c in fast if c.kind == "all-reduce" and c.bytes_per_device >= biggest / 2]
