@@ -2,7 +2,7 @@
 
 The jobs run the scripts of ``tests/mp_scripts`` (and
 ``examples/multihost_train.py``) on CPU devices, as 2 processes x 2 devices
-and 4 processes x 1 device. Each check script asserts inside and prints a
+and 4 processes x 1 device (HSDP: 2 x 4 and 4 x 2). Each check script asserts inside and prints a
 ``RESULT`` line per process with digests of what it computed; the tests
 compare them across processes and with the same computation done here, in
 one process (``_mp_common`` holds what both sides share). Every job is also
@@ -11,7 +11,9 @@ checked to leave no process behind.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import assert_all_dead, launcher_results
 from jax.sharding import Mesh, NamedSharding
@@ -191,6 +194,180 @@ def test_hierarchical_outer_axis_is_the_processes(checks_job, reference) -> None
     for result in results.values():
         assert result["hier_bits"] == reference["hier_bits"], results
         assert result["traffic"] == traffic, results
+
+
+# --------------------------------------------------------------------------
+# HSDP: replicas across processes, params sharded over each process's devices.
+
+HSDP = SCRIPTS / "hsdp.py"
+HSDP_LAYOUTS = [(2, 4), (4, 2)]
+HSDP_IDS = ["2x4", "4x2"]
+# k=0 against XLA's step, and Random against the same step in one process:
+# the fsdp sums inside a process go through gloo here, so they may round
+# differently (by about 1e-7, where Random and k=0 differ by about 0.1).
+HSDP_RTOL, HSDP_ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def hsdp_job(tmp_path_factory):
+    """Runs ``hsdp.py DIR train``, then ``resume``, once per layout.
+
+    Returns ``run(P, D, mode)``: the job's directory, after checking that the
+    ``mode`` job (and ``train`` before it) succeeded on every process.
+    """
+    runs: dict[tuple[int, int], Any] = {}
+
+    def run(processes: int, devices: int, mode: str) -> Path:
+        if (processes, devices) not in runs:
+            directory = tmp_path_factory.mktemp(f"hsdp{processes}x{devices}")
+            done = {}
+            for name in ("train", "resume"):
+                start = time.monotonic()
+                proc = _launch(processes, devices, HSDP, str(directory), name)
+                print(f"hsdp.py {name} on {processes} x {devices}: "
+                      f"{time.monotonic() - start:.1f} s")
+                results = launcher_results(proc.stdout)
+                assert_all_dead([int(r["pid"]) for r in results.values()])
+                done[name] = proc, results
+                if proc.returncode:
+                    break
+            runs[processes, devices] = directory, done
+        directory, done = runs[processes, devices]
+        for name in ("train", mode):
+            assert name in done, f"the {name} job did not run: train failed"
+            proc, results = done[name]
+            assert proc.returncode == 0, _output(proc)
+            assert sorted(results) == list(range(processes)), _output(proc)
+            assert {r["mode"] for r in results.values()} == {name}, _output(proc)
+        return directory
+
+    return run
+
+
+def _hsdp_files(directory: Path, name: str, processes: int) -> list[Any]:
+    """What each process wrote: ``name_p<i>.npz`` or ``.json``, by process."""
+    if name.endswith(".npz"):
+        return [dict(np.load(directory / name.replace(".npz", f"_p{i}.npz")))
+                for i in range(processes)]
+    return [json.loads((directory / name.replace(".json", f"_p{i}.json")).read_text())
+            for i in range(processes)]
+
+
+@functools.cache
+def _hsdp_reference(processes: int) -> dict[str, Any]:
+    """The k=0 and Random runs of ``hsdp.py`` in this process, on 8 devices.
+
+    ``gspmd``: XLA's own step (plain ``jax.grad`` of the whole batch and Adam)
+    on the same mesh and layout, the reference of k=0; ``random``: the same
+    Random SkipReduce training through ``make_train_step``. Params as numpy.
+    """
+    mesh = common.hsdp_mesh(jax.devices(), processes)
+    adam = optax.adam(1e-2)
+    with jax.set_mesh(mesh):
+        params = common.hsdp_params(mesh)
+        state = jax.jit(adam.init)(params)
+
+        @jax.jit
+        def gspmd_step(p, s, batch):
+            loss, grads = jax.value_and_grad(common.hsdp_loss)(p, batch)
+            updates, s = adam.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+        losses = []
+        for t in range(common.HSDP_STEPS):
+            batch = tuple(jax.device_put(a, NamedSharding(mesh, P("replica")))
+                          for a in common.hsdp_batch(t, processes))
+            params, state, loss = gspmd_step(params, state, batch)
+            losses.append(float(loss))
+    gspmd = {k: np.asarray(v) for k, v in params.items()}
+
+    tx = common.hsdp_tx("random")
+    params = common.hsdp_params(mesh)
+    state = sr.init_opt_state(tx, params, mesh, "replica")
+    step = sr.make_train_step(common.hsdp_loss, tx, mesh, "replica")
+    for t in range(common.HSDP_STEPS):
+        params, state, _ = step(params, state, common.hsdp_batch(t, processes))
+    return {"gspmd": gspmd, "losses": losses,
+            "random": {k: np.asarray(v) for k, v in params.items()}}
+
+
+def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=HSDP_RTOL, atol=HSDP_ATOL,
+                                   err_msg=k)
+
+
+def _assert_shards_identical(digests: list[dict[str, str]], devices: int) -> None:
+    """The same digest of every fsdp shard in every process; ``devices`` each."""
+    assert all(d == digests[0] for d in digests), digests
+    for k, spec in common.HSDP_SPECS.items():
+        shards = [where for where in digests[0] if where.startswith(f"['{k}']@")]
+        assert len(shards) == devices, (k, spec, shards)
+
+
+@pytest.mark.parametrize("layout", HSDP_LAYOUTS, ids=HSDP_IDS)
+def test_hsdp_num_skip_zero_equals_gspmd(hsdp_job, layout) -> None:
+    """k=0 over 10 steps on (replica across processes, fsdp inside each).
+
+    Each process passes only its replica's rows; the params come back as
+    every process holds them, put together from its shards, and equal XLA's
+    own step on the whole batch with the same layout, in one process.
+    """
+    processes, devices = layout
+    directory = hsdp_job(processes, devices, "train")
+    reference = _hsdp_reference(processes)
+    _assert_shards_identical(_hsdp_files(directory, "k0.json", processes), devices)
+    for got in _hsdp_files(directory, "k0.npz", processes):
+        np.testing.assert_allclose(got.pop("losses"), reference["losses"], rtol=HSDP_RTOL)
+        _assert_close(got, reference["gspmd"])
+
+
+@pytest.mark.parametrize("layout", HSDP_LAYOUTS, ids=HSDP_IDS)
+def test_hsdp_random_replicas_bit_identical(hsdp_job, layout) -> None:
+    """Random SkipReduce (50%): every fsdp shard the same in all processes.
+
+    The job asserts ``assert_replicated`` of params and Adam state over the
+    replica axis; here: the digest of each fsdp shard of each param is the
+    same in every process, the params are those of the same training in one
+    process, and differ from k=0's (some of the ring was skipped).
+    """
+    processes, devices = layout
+    directory = hsdp_job(processes, devices, "train")
+    reference = _hsdp_reference(processes)
+    _assert_shards_identical(_hsdp_files(directory, "random.json", processes), devices)
+    for got in _hsdp_files(directory, "random.npz", processes):
+        got.pop("losses")
+        _assert_close(got, reference["random"])
+        assert not np.allclose(got["w1"], reference["gspmd"]["w1"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", HSDP_LAYOUTS, ids=HSDP_IDS)
+def test_hsdp_checkpoint_resume_bit_identical(hsdp_job, layout) -> None:
+    """orbax save/restore of sharded params and state with error feedback.
+
+    ``train`` runs 2T steps, saving after T and 2T; ``resume``, in new
+    processes, restores step T into fresh state (checking each array's
+    layout: params ``P(None, "fsdp")`` / ``P("fsdp")``, residuals
+    ``P("replica", None, "fsdp")`` with each process's own row), trains T
+    more and asserts them bit-identical to checkpoint 2T. Here: each
+    process's digests of every shard of params and state after resuming
+    equal those of the run that never stopped; the params' shards agree
+    across processes, and each process holds its own residual row.
+    """
+    from skipreduce_jax import checkpoint  # needs orbax-checkpoint
+
+    processes, devices = layout
+    directory = hsdp_job(processes, devices, "resume")
+    assert checkpoint.latest_step(directory / "ckpt") == 2 * common.HSDP_T
+    uninterrupted = _hsdp_files(directory, "ef.json", processes)
+    assert _hsdp_files(directory, "resume.json", processes) == uninterrupted
+    _assert_shards_identical(
+        [{k[len("[0]"):]: v for k, v in d.items() if k.startswith("[0]")}
+         for d in uninterrupted], devices)
+    for i, digests in enumerate(uninterrupted):
+        rows = {k.split("@")[1].split(",")[0] for k in digests if ".residual[" in k}
+        assert rows == {f"{i}:{i + 1}"}, rows
 
 
 # --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
@@ -204,3 +204,103 @@ def digest(tree: Any) -> str:
         h.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape};".encode())
         h.update(leaf.tobytes())
     return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------
+# HSDP: replicas across processes, params sharded over the devices of each.
+
+#: How each param of the HSDP model is sharded over the ``fsdp`` axis.
+HSDP_SPECS = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None)}
+HSDP_IN, HSDP_HIDDEN, HSDP_OUT = 16, 64, 4
+#: Samples per replica (per process) per step.
+HSDP_ROWS = 8
+
+
+def hsdp_mesh(devices: Any, replicas: int) -> Mesh:
+    """The ``("replica", "fsdp")`` mesh: one row of ``devices`` per replica."""
+    return Mesh(np.array(devices).reshape(replicas, -1), ("replica", "fsdp"))
+
+
+def hsdp_host_params(seed: int = 0) -> dict[str, np.ndarray]:
+    """The HSDP model's params as float32 numpy, the same in every process."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (rng.normal(size=(HSDP_IN, HSDP_HIDDEN)) * 0.3).astype(np.float32),
+        "b1": (rng.normal(size=HSDP_HIDDEN) * 0.1).astype(np.float32),
+        "w2": (rng.normal(size=(HSDP_HIDDEN, HSDP_OUT)) * 0.2).astype(np.float32),
+    }
+
+
+def hsdp_params(mesh: Mesh, seed: int = 0) -> dict[str, jax.Array]:
+    """:func:`hsdp_host_params` as global arrays sharded by :data:`HSDP_SPECS`."""
+    return {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, HSDP_SPECS[k]),
+                                            lambda index, v=v: v[index])
+            for k, v in hsdp_host_params(seed).items()}
+
+
+def hsdp_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Mean squared error of the MLP (plain GSPMD code)."""
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def hsdp_batch(step: int, replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of ``step``: rows ``[r * R:(r + 1) * R]`` go to replica r."""
+    rng = np.random.default_rng(2000 + step)
+    x = rng.normal(size=(replicas * HSDP_ROWS, HSDP_IN)).astype(np.float32)
+    y = np.sin(x[:, :HSDP_OUT] + x[:, HSDP_OUT:2 * HSDP_OUT]).astype(np.float32)
+    return x, y
+
+
+#: The HSDP checks: k=0 against GSPMD, Random SkipReduce, and Random with
+#: error feedback and a warmup (the checkpointed run).
+HSDP_CASES = ("k0", "random", "ef")
+#: Steps of the k=0 and Random checks; the ef run saves after T and 2T.
+HSDP_STEPS, HSDP_T = 10, 3
+
+
+def hsdp_tx(case: str) -> Any:
+    """The optimizer of an HSDP check, see :data:`HSDP_CASES`."""
+    kwargs = {"k0": dict(num_skip=0),
+              "random": dict(skip_ratio=0.5),
+              "ef": dict(skip_ratio=0.5, error_feedback=True, warmup_steps=1)}[case]
+    return optax.chain(sr.skip_reduce("replica", seed=5, min_size=0, **kwargs),
+                       optax.adam(1e-2))
+
+
+def shard_digests(tree: Any) -> dict[str, str]:
+    """``path@index`` -> digest of the shard at that index, this process's copies.
+
+    One entry per distinct shard index this process holds (with replicas
+    across processes: each fsdp shard of each leaf); also checks that every
+    local copy of a shard is bit-identical.
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        seen: dict[str, np.ndarray] = {}
+        for s in leaf.addressable_shards:
+            where = ",".join(f"{i.start or 0}:{i.stop if i.stop is not None else n}"
+                             for i, n in zip(s.index, leaf.shape, strict=True))
+            data = np.asarray(s.data)
+            if where in seen:
+                np.testing.assert_array_equal(data, seen[where])
+            seen[where] = data
+            out[f"{jax.tree_util.keystr(path)}@{where}"] = digest(data)
+    return out
+
+
+def assembled(tree: Any) -> Any:
+    """Each leaf put together, as numpy, from this process's shards.
+
+    This process must hold every part of each leaf (with replicas across
+    processes, its devices hold all fsdp shards).
+    """
+    def whole(leaf):
+        out = np.full(leaf.shape, np.nan, leaf.dtype)
+        for s in leaf.addressable_shards:
+            out[s.index] = np.asarray(s.data)
+        assert not np.isnan(out).any(), "a part of the leaf is on no local device"
+        return out
+
+    return jax.tree_util.tree_map(whole, tree)
