@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 import jax
+import optax
 import pytest
 from jax import lax
 
@@ -156,3 +157,33 @@ def test_the_inner_scatter_is_a_reduce_scatter_not_an_all_reduce(platform, steps
     biggest = max(4 * x.size for x in jax.tree_util.tree_leaves(pods.mlp(1024, 4)[1]))
     assert any(c.kind == "reduce-scatter" for c in fast)
     assert not [c for c in fast if c.kind == "all-reduce" and c.bytes_per_device >= biggest / 2]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_sharded_step_skips_over_the_slow_axis_only(platform, k):
+    """HSDP: params sharded over the fast axis, SkipReduce over the slow one.
+
+    make_train_step is manual over the slow axis only: each device rings its
+    own 1/F shard over the slow axis, so the slow-axis bytes are
+    (2(N-1)-k)/N of the local shard, with no gradient all-reduce crossing it.
+    """
+    mesh = _mesh(platform)
+    n, fast = mesh.shape[pods.SLOW], mesh.shape[pods.FAST]
+    loss_fn, shapes = pods.mlp(1024, 4)
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), pods.FAST), shapes)
+    tx = optax.chain(sr.skip_reduce(pods.SLOW, num_skip=k, min_size=0), optax.sgd(0.1))
+    step = sr.make_train_step(loss_fn, tx, mesh, pods.SLOW)
+    params = pods._placed(shapes, mesh, specs)
+    state = jax.eval_shape(tx.init, shapes)
+    state = pods._placed(state, mesh, sr.state_specs(state, pods.SLOW))
+    batch = pods._batch(mesh, 1024, 32)
+    found = pods.collectives(step.lower(params, state, batch).compile().as_text(),
+                             pods.mesh_nodes(mesh))
+    local = sum(4 * x.size for x in jax.tree_util.tree_leaves(shapes)) / fast
+    loss = _traffic.ring_allreduce_bytes(4, n)
+    assert pods.slow_bytes(found) == pytest.approx(
+        _traffic.skipreduce_bytes(local, n, k) + loss, rel=0.01)
+    if k > 0:  # (k = 0 is skip_reduce's plain pmean: XLA's own all-reduce)
+        assert not [c for c in found if c.slow and c.reduces
+                    and c.bytes_per_device > 0.01 * local]
