@@ -218,6 +218,11 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
                 axis_name: AxisNames = "data") -> Any:
     """Splits a batch's leading axis over ``axis_name``.
 
+    A tuple splits it over several axes in order: ``("replica", "fsdp")``
+    for hierarchical SkipReduce, or to spread a sharded step's batch over
+    the fsdp axis as well (``make_train_step(..., "replica")`` takes it as
+    it is).
+
     In a multi-process run each process passes its own part of the global
     batch (``jax.make_array_from_process_local_data``); in one process the
     whole batch.

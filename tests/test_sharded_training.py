@@ -203,3 +203,21 @@ def test_a_param_sharded_over_the_replica_axis_names_the_fix():
     with pytest.raises(ValueError, match=r"sharded over \['replica'\].*not along its "
                                          r"leading dimension"):
         sr.init_opt_state(tx, params, mesh, "replica")
+
+
+@pytest.mark.parametrize("name", ["4x2-explicit", "4x2-auto"])
+def test_the_batch_may_be_split_over_the_fsdp_axis_too(name):
+    """shard_batch(batch, mesh, ("replica", "fsdp")): P(("replica", "fsdp"))."""
+    tx = optax.chain(sr.skip_reduce("replica", num_skip=0), optax.sgd(0.1))
+    mesh, specs, params, batch = _setup(name)
+    placed = sr.shard_batch(batch, mesh, ("replica", "fsdp"))
+    assert placed[0].sharding.spec == P(("replica", "fsdp"))
+    opt_state = sr.init_opt_state(tx, params, mesh, "replica")
+    step = sr.make_train_step(_loss, tx, mesh, "replica")
+    before = {k: np.asarray(v) for k, v in params.items()}
+    new, _, loss = step(params, opt_state, placed)
+    assert placed[0].sharding.spec == P(("replica", "fsdp"))  # not re-placed
+    grads = jax.grad(_loss)(before, batch)
+    for k in before:
+        np.testing.assert_allclose(np.asarray(new[k]), before[k] - 0.1 * grads[k],
+                                   rtol=1e-4, atol=1e-6)
