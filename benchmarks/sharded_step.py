@@ -22,13 +22,19 @@ momentum), each with four variants timed side by side:
   ``make_train_step`` with ``skip_reduce("data", ..., params_sharded=True)``
   (the all-gather, then ``skip_psum_scatter``).
 
-The fourth variant, ``no cross-host``, is XLA's step with the cross-host
-communication removed: every replica trains on the same rows (a batch of one
-replica's size, replicated), so its gradients need no reduction, with the
-same arithmetic per device (``fsdp``: params replicated too, so nothing is
-gathered). ``1 - no cross-host / xla`` is the share of XLA's step that is
-cross-host communication (XLA:CPU runs collectives and arithmetic one after
-the other, so nothing of it is hidden).
+Two more variants measure how much of XLA's step is cross-host
+communication. ``no cross-host`` is XLA's step without it: every replica
+trains on the same rows (a batch of one replica's size, replicated), so its
+gradients need no reduction, with the same arithmetic per device (``fsdp``:
+params replicated too, so nothing is gathered); ``1 - no cross-host / xla``
+counts everything the communication adds (XLA:CPU runs collectives and
+arithmetic one after the other, so nothing is hidden). ``collectives
+alone`` runs XLA's cross-host collectives of the step on buffers of the same
+shapes and layouts, and nothing else (:func:`_collectives_alone`);
+``collectives alone / xla`` counts the transfers alone. The two differ by
+what XLA's step does around its collectives (below, on the cluster: the
+gradients it computes transposed and transposes back after the
+all-reduce).
 
 Every variant is compiled and called ``--warmup`` times, then ``--rounds``
 rounds are timed; within a round every variant runs once, in an order
@@ -44,7 +50,7 @@ groups span more than one host (:func:`cross_host_bytes`). The targets
 checked: ``skipreduce k=0`` at most ``--k0-target`` (1.05) times XLA's step;
 ``random`` at most its cross-host bytes ratio to XLA's + ``--slack`` (0.05)
 times XLA's step, which applies when XLA's step is at least
-``--min-comm`` (80%) cross-host communication. After the rounds the params
+``--min-comm`` (80%) cross-host communication by both measures. After the rounds the params
 of ``xla`` and ``skipreduce k=0`` (the same steps from the same start) are
 compared.
 
@@ -101,8 +107,9 @@ from skipreduce_jax import distributed  # noqa: E402
 
 DEFAULT_OUT = _REPO_ROOT / "benchmarks" / "results"
 LAYOUTS = ("hsdp", "fsdp")
-XLA, LOCAL, K0, RANDOM = "xla", "no cross-host", "skipreduce k=0", "random"
-VARIANTS = (XLA, LOCAL, K0, RANDOM)
+XLA, LOCAL, ALONE = "xla", "no cross-host", "collectives alone"
+K0, RANDOM = "skipreduce k=0", "random"
+VARIANTS = (XLA, LOCAL, ALONE, K0, RANDOM)
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _COLLECTIVE = re.compile(
     r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
@@ -266,28 +273,29 @@ def place(tree: Any, mesh: Mesh, specs: Any) -> Any:
 
 @dataclasses.dataclass
 class Variant:
-    """One step function with its own carried state.
+    """One compiled program with its own carried inputs.
 
     Attributes:
       name: the label.
-      step: ``(params, opt_state, batch) -> (params, opt_state, loss)``, jitted;
-        after :func:`make_variants`, its compiled executable (called directly,
-        so that the timed calls compile nothing).
-      carry: ``(params, opt_state)``, replaced by each call's outputs.
-      batch: the batch it trains on.
+      step: the jitted function; after :func:`make_variants`, its compiled
+        executable (called directly, so that the timed calls compile nothing).
+      args: its arguments: ``(params, opt_state, batch)`` for a training step.
+      carried: how many leading outputs replace the leading arguments after
+        each call (2 for a step: params and optimizer state, donated).
       text: the compiled program's text.
     """
 
     name: str
     step: Callable[..., Any]
-    carry: tuple[Any, Any]
-    batch: Any
+    args: tuple[Any, ...]
+    carried: int = 2
     text: str = ""
 
     def __call__(self) -> Any:
-        params, state, loss = self.step(*self.carry, self.batch)
-        self.carry = (params, state)
-        return loss
+        out = self.step(*self.args)
+        if self.carried:
+            self.args = tuple(out[:self.carried]) + self.args[self.carried:]
+        return out
 
 
 def _xla_step(tx: optax.GradientTransformation, mesh: Mesh,
@@ -322,8 +330,34 @@ def _init_like_params(opt: optax.GradientTransformation, params: dict[str, jax.A
     return jax.jit(opt.init, out_shardings=shardings)(params)
 
 
+def _collectives_alone(layout: str, mesh: Mesh, params: dict[str, jax.Array]
+                       ) -> Callable[..., Any]:
+    """XLA's cross-host collectives of the step alone, on buffers like the params.
+
+    hsdp: the all-reduce of each device's gradient shard over ``replica``.
+    fsdp: the all-gather of the param blocks and the all-reduce of the whole
+    gradients (XLA:CPU reduces FSDP gradients so, then slices; it has no
+    reduce-scatter pass). ``check_vma=False``: every psum moves data.
+    """
+    specs = {k: v.sharding.spec for k, v in params.items()}
+    if layout == "hsdp":
+        def alone(blocks):
+            return jax.tree_util.tree_map(lambda b: lax.psum(b, "replica"), blocks)
+
+        return jax.jit(jax.shard_map(alone, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                                     check_vma=False))
+    whole = {k: P() for k in specs}
+
+    def gather_and_reduce(blocks, grads):
+        gathered = {k: lax.all_gather(b, "data", tiled=True) for k, b in blocks.items()}
+        return gathered, {k: lax.psum(g, "data") for k, g in grads.items()}
+
+    return jax.jit(jax.shard_map(gather_and_reduce, mesh=mesh, in_specs=(specs, whole),
+                                 out_specs=(whole, whole), check_vma=False))
+
+
 def make_variants(args: argparse.Namespace, mesh: Mesh) -> list[Variant]:
-    """The four variants of ``args.layout``, compiled, from the same start."""
+    """The variants of ``args.layout`` (:data:`VARIANTS`), compiled, from the same start."""
     layout = args.layout
     axis = "replica" if layout == "hsdp" else "data"
     ranks = mesh.shape[axis]
@@ -334,7 +368,7 @@ def make_variants(args: argparse.Namespace, mesh: Mesh) -> list[Variant]:
     # One replica's rows on every replica: no gradient reduction needed.
     local_batch = place((x[:args.batch], y[:args.batch]), mesh, (P(), P()))
     opt = optax.sgd(args.lr, momentum=0.9)
-    sharded = params_sharded = layout == "fsdp"
+    sharded = layout == "fsdp"
     whole = {k: P() for k in specs}
 
     def initial(host):
@@ -345,25 +379,30 @@ def make_variants(args: argparse.Namespace, mesh: Mesh) -> list[Variant]:
     variants = []
     with jax.set_mesh(mesh):
         for name in VARIANTS:
-            if name in (XLA, LOCAL):
+            if name == ALONE:
+                params = initial(params0)
+                buffers = (params,) if not sharded else (params, place(params0, mesh, whole))
+                variants.append(Variant(name, _collectives_alone(layout, mesh, params),
+                                        buffers, carried=0))
+            elif name in (XLA, LOCAL):
                 local = name == LOCAL
                 params = (place(params0, mesh, whole) if local and sharded
                           else initial(params0))
                 state = _init_like_params(opt, params, mesh)
                 step = _xla_step(opt, mesh, whole if sharded and not local else None)
-                variants.append(Variant(name, step, (params, state),
-                                        local_batch if local else batch))
-                continue
-            reduce = (dict(num_skip=0) if name == K0
-                      else dict(skip_ratio=args.skip_ratio))
-            tx = optax.chain(sr.skip_reduce(axis, min_size=0, params_sharded=params_sharded,
-                                            **reduce), opt)
-            params = initial(params0)
-            state = sr.init_opt_state(tx, params, mesh, axis)
-            step = sr.make_train_step(loss_fn, tx, mesh, axis)
-            variants.append(Variant(name, step, (params, state), batch))
+                variants.append(Variant(name, step, (params, state,
+                                                     local_batch if local else batch)))
+            else:
+                reduce = (dict(num_skip=0) if name == K0
+                          else dict(skip_ratio=args.skip_ratio))
+                tx = optax.chain(sr.skip_reduce(axis, min_size=0, params_sharded=sharded,
+                                                **reduce), opt)
+                params = initial(params0)
+                state = sr.init_opt_state(tx, params, mesh, axis)
+                step = sr.make_train_step(loss_fn, tx, mesh, axis)
+                variants.append(Variant(name, step, (params, state, batch)))
         for v in variants:
-            v.step = v.step.lower(*v.carry, v.batch).compile()
+            v.step = v.step.lower(*v.args).compile()
             v.text = v.step.as_text()
     return variants
 
@@ -490,7 +529,7 @@ def cross_host_bytes(text: str, hosts: Sequence[int]) -> dict[str, float]:
 
 def time_rounds(h: Harness, variants: Sequence[Variant], rounds: int, warmup: int,
                 seed: int) -> np.ndarray:
-    """Seconds per call, ``[rounds, variants]``, the slowest process's."""
+    """Seconds per call on every process, ``[processes, rounds, variants]``."""
     for v in variants:
         for _ in range(warmup):
             jax.block_until_ready(v())
@@ -502,7 +541,7 @@ def time_rounds(h: Harness, variants: Sequence[Variant], rounds: int, warmup: in
             start = time.perf_counter()
             jax.block_until_ready(variants[i]())
             times[r, i] = time.perf_counter() - start
-    return h.gather_times(times).max(axis=0)
+    return h.gather_times(times)
 
 
 def summarize(names: Sequence[str], times: np.ndarray, traffic: Sequence[dict[str, float]],
@@ -511,21 +550,22 @@ def summarize(names: Sequence[str], times: np.ndarray, traffic: Sequence[dict[st
     """Per-variant statistics, ratios to ``xla`` and the targets.
 
     Args:
-      names: the variants (``xla``, ``no cross-host``, ``skipreduce k=0``,
-        ``random``), in the columns' order.
+      names: the variants (:data:`VARIANTS`), in the columns' order.
       times: seconds, ``[rounds, variants]``.
       traffic: :func:`cross_host_bytes` of each variant.
       k0_target: the largest ``skipreduce k=0 / xla`` that meets its target.
       slack: ``random``'s target is its cross-host bytes ratio + this.
       min_comm: ``random``'s target applies when at least this share of
-        XLA's step is cross-host communication.
+        XLA's step is cross-host communication, measured both ways:
+        ``comm_fraction`` (1 - ``no cross-host`` / ``xla``) and
+        ``collectives_fraction`` (``collectives alone`` / ``xla``).
 
     Returns:
-      ``{"rows": [...], "comm_fraction": ..., "random_vs_k0": {...},
-      "targets": {...}}``; each row
-      has the median, IQR, the ratio of medians to ``xla``, the median of
-      per-round ratios (``paired_ratio``: a round's variants share its noise)
-      and the bytes, also as ratios to ``xla``'s.
+      ``{"rows": [...], "comm_fraction": ..., "collectives_fraction": ...,
+      "random_vs_k0": {...}, "targets": {...}}``; each row has the median,
+      IQR, the ratio of medians to ``xla``, the median of per-round ratios
+      (``paired_ratio``: a round's variants share its noise) and the bytes,
+      also as ratios to ``xla``'s.
     """
     times = np.asarray(times, float)
     col = {name: i for i, name in enumerate(names)}
@@ -546,6 +586,7 @@ def summarize(names: Sequence[str], times: np.ndarray, traffic: Sequence[dict[st
             "cross_host_bytes_ratio": _ratio(t["cross_host"], traffic[base]["cross_host"]),
         })
     comm = 1.0 - rows[col[LOCAL]]["seconds"] / rows[base]["seconds"]
+    alone = rows[col[ALONE]]["ratio"]
     k0, rnd = rows[col[K0]], rows[col[RANDOM]]
     vs_k0 = {"ratio": rnd["seconds"] / k0["seconds"],
              "paired_ratio": float(np.median(times[:, col[RANDOM]] / times[:, col[K0]])),
@@ -557,12 +598,12 @@ def summarize(names: Sequence[str], times: np.ndarray, traffic: Sequence[dict[st
         "k0": {"target": k0_target, "ratio": k0["ratio"],
                "met": bool(k0["ratio"] <= k0_target)},
         "random": {"target": random_target, "ratio": rnd["ratio"],
-                   "applies": bool(comm >= min_comm), "min_comm": min_comm,
+                   "applies": bool(min(comm, alone) >= min_comm), "min_comm": min_comm,
                    "met": (bool(rnd["ratio"] <= random_target)
                            if random_target is not None else None)},
     }
-    return {"rows": rows, "comm_fraction": float(comm), "random_vs_k0": vs_k0,
-            "targets": targets}
+    return {"rows": rows, "comm_fraction": float(comm), "collectives_fraction": alone,
+            "random_vs_k0": vs_k0, "targets": targets}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -587,7 +628,8 @@ def format_table(summary: dict[str, Any]) -> str:
     k0, rnd = t["k0"], t["random"]
     lines.append("")
     lines.append(f"cross-host communication: {summary['comm_fraction']:.1%} of XLA's step "
-                 f"(1 - {LOCAL} / xla)")
+                 f"(1 - {LOCAL} / xla), {summary['collectives_fraction']:.1%} "
+                 f"({ALONE} / xla)")
     vs = summary["random_vs_k0"]
     lines.append(f"random / skipreduce k=0: step {vs['ratio']:.3f} (paired "
                  f"{vs['paired_ratio']:.3f}), cross-host bytes "
@@ -597,7 +639,7 @@ def format_table(summary: dict[str, Any]) -> str:
     verdict = ("met" if rnd["met"] else "NOT met") if rnd["met"] is not None else "n/a"
     if not rnd["applies"]:
         verdict += (f" (does not apply: XLA's step is under {rnd['min_comm']:.0%} "
-                    "communication)")
+                    "communication by one of the two measures)")
     lines.append(f"target random <= cross-host bytes ratio + slack = "
                  f"{_fmt(rnd['target'])} x xla: {rnd['ratio']:.3f} -> {verdict}")
     return "\n".join(lines)
@@ -677,12 +719,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"compiled {len(variants)} variants in {time.perf_counter() - t0:.1f} s")
     load_start = os.getloadavg()
     t0 = time.perf_counter()
-    times = time_rounds(h, variants, args.rounds, args.warmup, args.seed)
+    everyone = time_rounds(h, variants, args.rounds, args.warmup, args.seed)
+    times = everyone.max(axis=0)  # a call is done when the slowest process is
     log(f"timed {args.rounds} rounds in {time.perf_counter() - t0:.1f} s")
     names = [v.name for v in variants]
     deviation = float(h.gather_times(np.array([max_deviation(
-        variants[names.index(K0)].carry[0], variants[names.index(XLA)].carry[0])])).max())
+        variants[names.index(K0)].args[0], variants[names.index(XLA)].args[0])])).max())
     summary = summarize(names, times, traffic, args.k0_target, args.slack, args.min_comm)
+    for i, row in enumerate(summary["rows"]):
+        row["times_by_process"] = everyone[:, :, i].tolist()
     log("\n" + format_table(summary))
     log(f"params of skipreduce k=0 vs xla after {args.warmup + args.rounds} steps: max |diff| "
         f"/ max |xla| = {deviation:.1e}")

@@ -81,11 +81,11 @@ def _traffic(cross, intra=0.0):
 
 
 def test_summary_ratios_and_targets():
-    names = list(ss.VARIANTS)  # xla, no cross-host, k=0, random
-    times = np.array([[1.0, 0.1, 1.04, 0.70],
-                      [1.2, 0.1, 1.20, 0.80],
-                      [0.9, 0.2, 0.99, 0.60]])
-    traffic = [_traffic(12.0, 1.0), _traffic(0.0, 1.0), _traffic(12.0, 1.0),
+    names = list(ss.VARIANTS)  # xla, no cross-host, collectives alone, k=0, random
+    times = np.array([[1.0, 0.1, 0.85, 1.04, 0.70],
+                      [1.2, 0.1, 0.95, 1.20, 0.80],
+                      [0.9, 0.2, 0.80, 0.99, 0.60]])
+    traffic = [_traffic(12.0, 1.0), _traffic(0.0, 1.0), _traffic(12.0), _traffic(12.0, 1.0),
                _traffic(8.0, 1.0)]
     s = ss.summarize(names, times, traffic)
     rows = {r["name"]: r for r in s["rows"]}
@@ -96,15 +96,20 @@ def test_summary_ratios_and_targets():
     assert rows["xla"]["iqr"] == pytest.approx(np.subtract(*np.percentile([1, 1.2, .9],
                                                                            [75, 25])))
     assert s["comm_fraction"] == pytest.approx(0.9)
+    assert s["collectives_fraction"] == pytest.approx(0.85)
     assert s["random_vs_k0"]["ratio"] == pytest.approx(0.70 / 1.04)
     k0, rnd = s["targets"]["k0"], s["targets"]["random"]
     assert k0["met"] and k0["ratio"] == pytest.approx(1.04)
     assert rnd["target"] == pytest.approx(8 / 12 + 0.05)
     assert rnd["applies"] and rnd["met"]  # 0.70 <= 8/12 + 0.05
-    times[:, 3] = [0.75, 0.9, 0.7]
+    times[:, 4] = [0.75, 0.9, 0.7]
     assert not ss.summarize(names, times, traffic)["targets"]["random"]["met"]
+    # Both measures of the communication must reach 80% for random's target.
+    times[:, 2] = [0.7, 0.9, 0.7]
+    assert not ss.summarize(names, times, traffic)["targets"]["random"]["applies"]
     # A slower k=0 misses its target; a compute-bound step voids random's.
-    times[:, 2] *= 1.1
+    times[:, 2] = [0.85, 0.95, 0.8]
+    times[:, 3] *= 1.1
     times[:, 1] = 0.5
     s = ss.summarize(names, times, traffic)
     assert not s["targets"]["k0"]["met"]
@@ -129,6 +134,8 @@ def test_a_tiny_hsdp_run_counts_the_bytes(tmp_path):
     for name in ("xla", "skipreduce k=0"):
         assert rows[name]["cross_host_bytes"] == pytest.approx(ring * local + loss)
     assert rows["no cross-host"]["cross_host_bytes"] == 0
+    # The collectives alone: XLA's all-reduce, without the loss's.
+    assert rows["collectives alone"]["cross_host_bytes"] == pytest.approx(ring * local)
     # skip_ratio 0.5 of N - 1 = 3 steps: k = 2, (2(N-1) - k) / N of the shard.
     assert rows["random"]["cross_host_bytes"] == pytest.approx(
         (2 * (n - 1) - 2) / n * local + loss)
