@@ -518,7 +518,7 @@ def cross_host_bytes(text: str, hosts: Sequence[int]) -> dict[str, float]:
         if not flags or len(flags) > 1:
             raise ValueError(f"cross_host_bytes: cannot tell whether {op} crosses hosts")
         out["total"] += op.bytes_per_device
-        out["cross_host" if flags.pop() else "intra_host"] += op.bytes_per_device
+        out["cross_host" if next(iter(flags)) else "intra_host"] += op.bytes_per_device
     return out
 
 

@@ -62,10 +62,13 @@ def test_cross_host_bytes_split_by_group():
         f"{_TAIL}",
         f"  %b = f32[32]{{0}} all-reduce(%a), channel_id=2, replica_groups={{{{0,2}},{{1,3}}}}"
         f"{_TAIL}",
-        "  ROOT %c = f32[64]{0} collective-permute(%a), channel_id=3, "
+        "  %c = f32[64]{0} collective-permute(%a), channel_id=3, "
+        "source_target_pairs={{0,2},{2,0},{1,3},{3,1}}",
+        "  ROOT %d = f32[64]{0} collective-permute(%c), channel_id=4, "
         "source_target_pairs={{0,2},{2,0},{1,3},{3,1}}")
     out = ss.cross_host_bytes(text, [0, 0, 1, 1])
-    assert out == {"total": 256 + 128 + 256, "cross_host": 128 + 256, "intra_host": 256}
+    assert out == {"total": 256 + 128 + 2 * 256, "cross_host": 128 + 2 * 256,
+                   "intra_host": 256}
     # The same op shapes inside and across hosts cannot be told apart: refused.
     text = _module(
         f"  %a = f32[64]{{0}} all-reduce(%p), channel_id=1, replica_groups={{{{0,1}},{{2,3}}}}"
