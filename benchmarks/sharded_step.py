@@ -527,21 +527,50 @@ def cross_host_bytes(text: str, hosts: Sequence[int]) -> dict[str, float]:
 # ----------------------------------------------------------------------------
 
 
+def nic_counter() -> Callable[[], int] | None:
+    """Bytes this host's NIC has sent so far, if gloo's interface is its own.
+
+    On the emulated cluster every host has its own ``veth0``
+    (``SKIPREDUCE_GLOO_INTERFACE``); on the loopback interface all processes
+    share one counter, so none is read there.
+    """
+    interface = os.environ.get(distributed.ENV_GLOO_INTERFACE)
+    path = Path(f"/sys/class/net/{interface}/statistics/tx_bytes")
+    if not interface or interface == "lo" or not path.is_file():
+        return None
+    return lambda: int(path.read_text())
+
+
 def time_rounds(h: Harness, variants: Sequence[Variant], rounds: int, warmup: int,
-                seed: int) -> np.ndarray:
-    """Seconds per call on every process, ``[processes, rounds, variants]``."""
+                seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Seconds per call and NIC bytes per call on every process.
+
+    Returns:
+      ``[processes, rounds, variants]`` seconds, and the bytes this host's
+      NIC sent per call (:func:`nic_counter`; None without one), counted
+      from the barrier before the call to the barrier after it: a collective
+      completes only once its peers have what it sent, so by then every byte
+      of the call has left (the barrier's own few bytes are included).
+    """
     for v in variants:
         for _ in range(warmup):
             jax.block_until_ready(v())
+    counter = nic_counter()
     times = np.zeros((rounds, len(variants)))
+    sent = np.zeros((rounds, len(variants)))
     order = np.random.default_rng([seed, 3])  # the same order on every process
-    for r in range(rounds):
-        for i in order.permutation(len(variants)):
-            h.barrier()
-            start = time.perf_counter()
-            jax.block_until_ready(variants[i]())
-            times[r, i] = time.perf_counter() - start
-    return h.gather_times(times)
+    calls = [(r, i) for r in range(rounds) for i in order.permutation(len(variants))]
+    h.barrier()
+    before = counter() if counter else 0
+    for r, i in calls:
+        start = time.perf_counter()
+        jax.block_until_ready(variants[i]())
+        times[r, i] = time.perf_counter() - start
+        h.barrier()
+        if counter:
+            after = counter()
+            sent[r, i], before = after - before, after
+    return h.gather_times(times), (h.gather_times(sent) if counter else None)
 
 
 def summarize(names: Sequence[str], times: np.ndarray, traffic: Sequence[dict[str, float]],
@@ -719,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"compiled {len(variants)} variants in {time.perf_counter() - t0:.1f} s")
     load_start = os.getloadavg()
     t0 = time.perf_counter()
-    everyone = time_rounds(h, variants, args.rounds, args.warmup, args.seed)
+    everyone, sent = time_rounds(h, variants, args.rounds, args.warmup, args.seed)
     times = everyone.max(axis=0)  # a call is done when the slowest process is
     log(f"timed {args.rounds} rounds in {time.perf_counter() - t0:.1f} s")
     names = [v.name for v in variants]
@@ -728,7 +757,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(names, times, traffic, args.k0_target, args.slack, args.min_comm)
     for i, row in enumerate(summary["rows"]):
         row["times_by_process"] = everyone[:, :, i].tolist()
+        if sent is not None:  # [hosts, rounds]: what each host's NIC sent per call
+            row["nic_bytes_by_host"] = sent[:, :, i].tolist()
+            row["nic_bytes_per_host"] = float(np.median(sent[:, :, i]))
     log("\n" + format_table(summary))
+    if sent is not None:
+        per_host = len(hosts) // len(set(hosts))
+        log(f"NIC bytes per host per call (median over hosts and rounds; the compiled "
+            f"programs' bytes x {per_host} device(s) per host in brackets): " + ", ".join(
+                f"{r['name']} {r['nic_bytes_per_host'] / 1e6:.2f} MB "
+                f"({per_host * r['cross_host_bytes'] / 1e6:.2f})" for r in summary["rows"]))
     log(f"params of skipreduce k=0 vs xla after {args.warmup + args.rounds} steps: max |diff| "
         f"/ max |xla| = {deviation:.1e}")
     if not leader:
