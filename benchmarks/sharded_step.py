@@ -32,9 +32,9 @@ arithmetic one after the other, so nothing is hidden). ``collectives
 alone`` runs XLA's cross-host collectives of the step on buffers of the same
 shapes and layouts, and nothing else (:func:`_collectives_alone`);
 ``collectives alone / xla`` counts the transfers alone. The two differ by
-what XLA's step does around its collectives (below, on the cluster: the
-gradients it computes transposed and transposes back after the
-all-reduce).
+what XLA's step does around its collectives (for HSDP on the emulated
+cluster, likely the gradients it computes transposed and transposes back
+after the all-reduce: ``benchmarks/README.md``).
 
 Every variant is compiled and called ``--warmup`` times, then ``--rounds``
 rounds are timed; within a round every variant runs once, in an order
@@ -694,7 +694,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
-    names = [r["name"] for r in rows]
+    names = [r["name"].replace(" ", "\n", 1) for r in rows]
     pos = np.arange(len(rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     med = np.array([r["seconds"] for r in rows]) * 1e3
