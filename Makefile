@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-fast demo demo-lm demo-multihost bench bench-cluster \
-        bench-tta check-pods clean
+        bench-tta bench-sharded bench-fsdp check-pods clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,20 @@ bench-tta: $(STAMP)
 	$(PY) benchmarks/cluster.py --rate 500mbit --timeout 1400 \
 	    --script benchmarks/time_to_accuracy.py -- --time-budget 60 \
 	    --optimizer sgd --shift 1 --name tta_cluster_h4_500mbit_sgd_shift1
+
+# One sharded training step on the emulated cluster (4 hosts at 500 Mbit/s;
+# about 1.5 minutes each; needs root and iproute2): XLA's own step against
+# SkipReduce k=0 and Random. HSDP: 2 devices per host, params over "fsdp".
+bench-sharded: $(STAMP)
+	$(PY) benchmarks/cluster.py --rate 500mbit --hosts 4 --local-devices 2 --timeout 900 \
+	    --script benchmarks/sharded_step.py -- --layout hsdp --rounds 11 \
+	    --label "500 Mbit/s" --tag cluster_hsdp_h4x2_500mbit
+
+# FSDP: 1 device per host, params P("data").
+bench-fsdp: $(STAMP)
+	$(PY) benchmarks/cluster.py --rate 500mbit --hosts 4 --timeout 900 \
+	    --script benchmarks/sharded_step.py -- --layout fsdp --rounds 11 \
+	    --label "500 Mbit/s" --tag cluster_fsdp_h4x1_500mbit
 
 # Compile (not run) SkipReduce for a 4-slice TPU v5e pod and 2 nodes of 8
 # H100s on a CPU machine: its own virtualenv with libtpu and the CUDA plugin

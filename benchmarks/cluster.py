@@ -20,7 +20,8 @@ and the other ``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed`,
 as ``python -m skipreduce_jax.launch`` would set them, which binds to
 127.0.0.1 and so cannot span namespaces). By default the processes run
 ``benchmarks/collectives.py`` in multi-process mode; ``--script`` runs another
-script, and arguments after ``--`` are passed to it.
+script, and arguments after ``--`` are passed to it. ``--local-devices D``
+gives each process D simulated CPU devices instead of 1.
 
 Each process keeps the memory it frees (``--malloc keep``, the default):
 glibc hands blocks of 32 MiB and more back to the kernel when they are
@@ -383,7 +384,8 @@ def format_stats(stats: Sequence[dict[str, int]]) -> str:
 # ----------------------------------------------------------------------------
 
 
-def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str, str]:
+def process_env(i: int, hosts: int, port: int, malloc: str = "keep",
+                local_devices: int = 1) -> dict[str, str]:
     """Environment of host ``i``'s process.
 
     Args:
@@ -393,6 +395,7 @@ def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str
         malloc: ``"keep"`` adds :data:`KEEP_MEMORY` to ``GLIBC_TUNABLES``
             (after any tunables already set, so these win); ``"glibc"``
             leaves the allocator alone.
+        local_devices: CPU devices of the process (``SKIPREDUCE_LOCAL_DEVICES``).
 
     Returns:
         This process's environment plus the SKIPREDUCE_* launcher variables.
@@ -408,7 +411,7 @@ def process_env(i: int, hosts: int, port: int, malloc: str = "keep") -> dict[str
         ENV_COORDINATOR: f"{host_address(0)}:{port}",
         ENV_NUM_PROCESSES: str(hosts),
         ENV_PROCESS_ID: str(i),
-        ENV_LOCAL_DEVICES: "1",
+        ENV_LOCAL_DEVICES: str(local_devices),
         ENV_GLOO_INTERFACE: HOST_NIC,
         # The process is killed if this runner dies (ip netns exec execs it,
         # so this runner is its parent).
@@ -448,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep: each process keeps freed memory for reuse instead of "
                         "faulting large buffers in on every call (GLIBC_TUNABLES, see "
                         "KEEP_MEMORY); glibc: the allocator's defaults (default keep)")
+    p.add_argument("--local-devices", type=int, default=1,
+                   help="simulated CPU devices per host process (default 1)")
     p.add_argument("--sizes", default="16M",
                    help="float32 elements per rank, passed to the script (default 16M)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
@@ -489,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not 2 <= args.hosts <= 250:
         print("cluster.py: --hosts must be in 2..250", file=sys.stderr)
+        return 2
+    if args.local_devices < 1:
+        print("cluster.py: --local-devices must be at least 1", file=sys.stderr)
         return 2
     rate = rate_bits(args.rate)  # checked by the parser
     if burst_bytes(args.burst) < MIN_BURST_BYTES:
@@ -544,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_args = ["--sizes", args.sizes, "--rounds", str(args.rounds), "--tag", tag,
                         "--breakdown", "--meta", json.dumps({"network": network}), *cmd_args]
         processes = [Process(in_ns(host_ns(i), sys.executable, str(args.script), *cmd_args),
-                             process_env(i, args.hosts, args.port, args.malloc), f"[h{i}] ")
+                             process_env(i, args.hosts, args.port, args.malloc,
+                                         args.local_devices), f"[h{i}] ")
                      for i in range(args.hosts)]
         t0 = time.monotonic()
         # Reports a failure, timeout or signal itself, and ends every process.
