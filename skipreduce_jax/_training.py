@@ -198,7 +198,7 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh,
     Example:
       >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
       >>> p["w"].sharding.spec, p["b"].sharding.spec
-      (PartitionSpec('data',), PartitionSpec(None,))
+      (P('data',), P(None,))
     """
     axes = mesh_axes(mesh, axis_name, api="shard_params")
     if len(axes) != 1:
