@@ -29,7 +29,7 @@ def simulate_cpu_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 
-def data_mesh(axis_name: str = "data") -> Any:
+def data_mesh(axis_name: str = "data", *, auto: bool = False) -> Any:
     """A 1-D data-parallel mesh over the real devices, or simulated CPU ones.
 
     With more than one device of the default platform (GPUs, TPUs, or
@@ -38,6 +38,8 @@ def data_mesh(axis_name: str = "data") -> Any:
 
     Args:
       axis_name: the name of the mesh axis.
+      auto: an Auto axis (``jax.sharding.AxisType.Auto``) instead of
+        ``jax.make_mesh``'s Explicit one.
 
     Returns:
       A ``jax.sharding.Mesh`` with one axis.
@@ -47,7 +49,9 @@ def data_mesh(axis_name: str = "data") -> Any:
     devices = jax.devices()
     if len(devices) == 1:
         devices = jax.devices("cpu")
-    return jax.make_mesh((len(devices),), (axis_name,), devices=devices)
+    types = (jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit,)
+    return jax.make_mesh((len(devices),), (axis_name,), devices=devices,
+                         axis_types=types)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

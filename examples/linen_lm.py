@@ -312,7 +312,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     """Trains every variant and prints a table; returns the results by name."""
     config = parse_args(argv)
-    mesh = _common.data_mesh("data")
+    # Auto axes: under jax.jit's in_shardings on an Explicit mesh, XLA
+    # all-gathers the embedding lookup and runs the whole batch everywhere.
+    mesh = _common.data_mesh("data", auto=True)
     n = mesh.shape["data"]
     corpus = load_corpus(int(config.train_mb * 2**20), int(config.val_mb * 2**20))
     results = {variant: train(variant, config, mesh, corpus)

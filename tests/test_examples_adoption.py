@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
@@ -113,6 +113,12 @@ def _lm_config(**changes):
                               "heads": 2, "min_size": 0, **changes})
 
 
+def _lm_mesh():
+    # As in the example: jax.jit's in_shardings on an Explicit mesh would
+    # all-gather the embedding lookup.
+    return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+
+
 def _lm_data():
     return np.frombuffer((ROOT / "examples" / "linen_lm.py").read_bytes(), np.uint8)
 
@@ -132,7 +138,7 @@ def _lm_run(variant, config, mesh):
 
 def test_linen_k0_step_equals_the_plain_jit_step():
     config = _lm_config(dropout=0.0, skip_ratio=0.0)
-    mesh = jax.make_mesh((N,), ("data",))
+    mesh = _lm_mesh()
     _, plain, plain_metrics = _lm_run("plain", config, mesh)
     _, adopted, adopted_metrics = _lm_run("skipreduce", config, mesh)
     # The attention's key bias gets a zero gradient (softmax ignores a shift
@@ -150,7 +156,7 @@ def test_linen_loss_needs_the_global_token_count():
     # Ranks hold different numbers of real tokens. The ranks' mean gradient
     # is the global one with psum(count) / N, not with each rank's own count.
     config = _lm_config(dropout=0.0)
-    mesh = jax.make_mesh((N,), ("data",))
+    mesh = _lm_mesh()
     model, params = linen_lm.init(config)
     batch = next(linen_lm.padded_batches(_lm_data(), config, N * config.batch_per_rank))
     key, loss_config = jax.random.key(0), linen_lm.LossConfig()
@@ -175,7 +181,7 @@ def test_linen_loss_needs_the_global_token_count():
 
 def test_linen_random_skipping_keeps_replicas_identical():
     config = _lm_config(dropout=0.1, min_size=1024)    # skip ratio 0.5: 3 leaves skipped
-    mesh = jax.make_mesh((N,), ("data",))
+    mesh = _lm_mesh()
     params, state, history = _lm_run("skipreduce", config, mesh)
     assert all(np.isfinite(m["loss"]) for m in history)
     sr.assert_replicated(state.params, mesh)
