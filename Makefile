@@ -4,8 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-fast demo demo-lm demo-multihost bench bench-cluster \
-        bench-tta bench-sharded bench-fsdp check-pods clean
+.PHONY: install lint test test-fast demo demo-lm demo-nnx demo-linen demo-multihost bench \
+        bench-cluster bench-tta bench-sharded bench-fsdp check-pods clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: $(STAMP)
 
 demo-lm: $(STAMP)
 	$(PY) examples/train_lm.py
+
+# The adoption examples: a flax step as written today and with SkipReduce.
+demo-nnx: $(STAMP)
+	$(PY) examples/nnx_cnn_digits.py
+
+demo-linen: $(STAMP)
+	$(PY) examples/linen_lm.py
 
 demo-multihost: $(STAMP)
 	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py

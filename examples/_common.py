@@ -6,8 +6,10 @@ effect if it runs before JAX initialises its backends.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -27,7 +29,7 @@ def simulate_cpu_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 
-def data_mesh(axis_name: str = "data") -> Any:
+def data_mesh(axis_name: str = "data", *, auto: bool = False) -> Any:
     """A 1-D data-parallel mesh over the real devices, or simulated CPU ones.
 
     With more than one device of the default platform (GPUs, TPUs, or
@@ -36,6 +38,8 @@ def data_mesh(axis_name: str = "data") -> Any:
 
     Args:
       axis_name: the name of the mesh axis.
+      auto: an Auto axis (``jax.sharding.AxisType.Auto``) instead of
+        ``jax.make_mesh``'s Explicit one.
 
     Returns:
       A ``jax.sharding.Mesh`` with one axis.
@@ -45,7 +49,9 @@ def data_mesh(axis_name: str = "data") -> Any:
     devices = jax.devices()
     if len(devices) == 1:
         devices = jax.devices("cpu")
-    return jax.make_mesh((len(devices),), (axis_name,), devices=devices)
+    types = (jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit,)
+    return jax.make_mesh((len(devices),), (axis_name,), devices=devices,
+                         axis_types=types)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -68,3 +74,44 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def parse_config(default: Any, argv: Sequence[str] | None, description: str, *,
+                 variants: Sequence[str], helps: Mapping[str, str] | None = None
+                 ) -> tuple[Any, argparse.ArgumentParser]:
+    """A frozen dataclass of settings, one ``--option`` per field.
+
+    Every field but ``variants`` becomes an option of its default's type
+    (``batch_per_rank``: ``--batch-per-rank``) and must not be negative;
+    ``variants`` is a comma-separated subset of ``variants``.
+
+    Args:
+      default: the dataclass instance holding the defaults.
+      argv: the arguments (default: ``sys.argv[1:]``).
+      description: the ``--help`` text's first line.
+      variants: the names ``--variants`` may list.
+      helps: help text by field name.
+
+    Returns:
+      The settings, and the parser (for ``parser.error`` on further checks).
+    """
+    helps = helps or {}
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for field in dataclasses.fields(default):
+        flag, value = "--" + field.name.replace("_", "-"), getattr(default, field.name)
+        if field.name == "variants":
+            parser.add_argument(flag, default=",".join(value),
+                                help=f"comma-separated subset of {','.join(variants)}")
+        else:
+            parser.add_argument(flag, type=type(value), default=value,
+                                help=helps.get(field.name))
+    values = vars(parser.parse_args(argv))
+    chosen = tuple(v.strip() for v in values["variants"].split(",") if v.strip())
+    if not chosen or set(chosen) - set(variants):
+        parser.error(f"--variants: choose from {','.join(variants)}")
+    for name, value in values.items():
+        if name != "variants" and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    return dataclasses.replace(default, **{**values, "variants": chosen}), parser
