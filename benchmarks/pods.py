@@ -117,13 +117,17 @@ _NATIVE = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
          "after-all", "partition-id", "replica-id", "opt-barrier",
          "add-dependency", "send", "recv", "send-done", "recv-done"}
-_CALLS = re.compile(r"\b(?:body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(?:body|calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PREDICATED = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
+                          r"\s*\{([^}]*)\}")
+_DEVICE_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _IS_SYNC = re.compile(r'"is_sync":(true|false)')
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
@@ -230,16 +234,31 @@ def _mesh_groups(line: str) -> list[list[int]] | None:
     if not match:
         return None
     axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
-    chosen = re.findall(r"'([^']+)'", match.group(2))
+    chosen = re.findall(r"'([^']+)'", match.group(3))
     names = [a for a, _ in axes]
     if not axes or len(names) != match.group(1).count("=") or not set(chosen) <= set(names):
         raise ValueError(f"replica groups of a form this reader does not know: "
                          f"{match.group(0)!r}")
-    ids = np.arange(math.prod(int(s) for _, s in axes)).reshape([int(s) for _, s in axes])
+    shape = [int(s) for _, s in axes]
+    ids = _device_ids(match.group(2), math.prod(shape)).reshape(shape)
     kept = [names.index(a) for a in chosen]
     rest = [i for i in range(len(names)) if i not in kept]
     size = math.prod(ids.shape[i] for i in kept)
     return ids.transpose(rest + kept).reshape(-1, size).tolist()
+
+
+def _device_ids(spec: str | None, size: int) -> np.ndarray:
+    """The device at each position of a mesh's axes: ``[dims]T(perm)``, a list, or 0..n-1."""
+    if spec is None:
+        return np.arange(size)
+    iota = _DEVICE_IOTA.fullmatch(spec)
+    if not iota:
+        return np.array([int(d) for d in spec.split(",")])
+    dims = [int(d) for d in iota.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(2):
+        ids = ids.transpose([int(d) for d in iota.group(2).split(",")])
+    return ids.reshape(-1)
 
 
 def replica_groups(line: str, devices: int) -> list[list[int]]:
@@ -386,7 +405,9 @@ def collectives(compiled_text: str, nodes: Sequence[int]) -> list[Collective]:
         replica groups, e.g. ``[node_of(d) for d in mesh.devices.flat]``.
 
     Returns:
-      One :class:`Collective` per collective instruction (per async pair).
+      One :class:`Collective` per collective instruction (per async pair);
+      of a conditional's branches only the one that sends the most (e.g.
+      Random SkipReduce's ``lax.switch`` over ring shifts runs one per step).
     """
     computations, entry = parse_computations(compiled_text)
     found: list[Collective] = []
@@ -404,8 +425,16 @@ def collectives(compiled_text: str, nodes: Sequence[int]) -> list[Collective]:
                 visit(callee, count * times, known and (trip is not None or not loop),
                       depth + 1)
             branches = _BRANCHES.search(inst.text)
-            for callee in branches.group(1).split(",") if branches else ():
+            runs = []
+            for callee in (branches.group(1).split(",") if branches
+                           else _PREDICATED.findall(inst.text)):
+                start = len(found)
                 visit(callee.strip().lstrip("%"), count, known, depth + 1)
+                runs.append(found[start:])
+                del found[start:]
+            # One branch runs per call: keep the one that sends the most.
+            found.extend(max(runs, key=lambda r: sum(c.bytes_per_device for c in r),
+                             default=[]))
 
     visit(entry, 1, True)
     return found

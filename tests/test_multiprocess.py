@@ -2,8 +2,9 @@
 
 The jobs run the scripts of ``tests/mp_scripts`` (and
 ``examples/multihost_train.py``) on CPU devices, as 2 processes x 2 devices
-and 4 processes x 1 device (HSDP: 2 x 4 and 4 x 2). Each check script asserts inside and prints a
-``RESULT`` line per process with digests of what it computed; the tests
+and 4 processes x 1 device (HSDP: 2 x 4 and 4 x 2; FSDP: 2 x 2 and 4 x 1).
+Each check script asserts inside and prints a ``RESULT`` line per process
+with digests of what it computed; the tests
 compare them across processes and with the same computation done here, in
 one process (``_mp_common`` holds what both sides share). Every job is also
 checked to leave no process behind.
@@ -208,9 +209,8 @@ HSDP_IDS = ["2x4", "4x2"]
 HSDP_RTOL, HSDP_ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(scope="module")
-def hsdp_job(tmp_path_factory):
-    """Runs ``hsdp.py DIR train``, then ``resume``, once per layout.
+def _train_then_resume(tmp_path_factory: Any, script: Path) -> Any:
+    """Runs ``script DIR train``, then ``resume``, once per layout.
 
     Returns ``run(P, D, mode)``: the job's directory, after checking that the
     ``mode`` job (and ``train`` before it) succeeded on every process.
@@ -219,12 +219,12 @@ def hsdp_job(tmp_path_factory):
 
     def run(processes: int, devices: int, mode: str) -> Path:
         if (processes, devices) not in runs:
-            directory = tmp_path_factory.mktemp(f"hsdp{processes}x{devices}")
+            directory = tmp_path_factory.mktemp(f"{script.stem}{processes}x{devices}")
             done = {}
             for name in ("train", "resume"):
                 start = time.monotonic()
-                proc = _launch(processes, devices, HSDP, str(directory), name)
-                print(f"hsdp.py {name} on {processes} x {devices}: "
+                proc = _launch(processes, devices, script, str(directory), name)
+                print(f"{script.name} {name} on {processes} x {devices}: "
                       f"{time.monotonic() - start:.1f} s")
                 results = launcher_results(proc.stdout)
                 assert_all_dead([int(r["pid"]) for r in results.values()])
@@ -244,7 +244,13 @@ def hsdp_job(tmp_path_factory):
     return run
 
 
-def _hsdp_files(directory: Path, name: str, processes: int) -> list[Any]:
+@pytest.fixture(scope="module")
+def hsdp_job(tmp_path_factory):
+    """``hsdp.py`` train then resume, see :func:`_train_then_resume`."""
+    return _train_then_resume(tmp_path_factory, HSDP)
+
+
+def _job_files(directory: Path, name: str, processes: int) -> list[Any]:
     """What each process wrote: ``name_p<i>.npz`` or ``.json``, by process."""
     if name.endswith(".npz"):
         return [dict(np.load(directory / name.replace(".npz", f"_p{i}.npz")))
@@ -253,42 +259,50 @@ def _hsdp_files(directory: Path, name: str, processes: int) -> list[Any]:
             for i in range(processes)]
 
 
-@functools.cache
-def _hsdp_reference(processes: int) -> dict[str, Any]:
-    """The k=0 and Random runs of ``hsdp.py`` in this process, on 8 devices.
+def _reference(mesh: Mesh, axis: str, params: Any, loss_fn: Any, tx: Any,
+               processes: int) -> dict[str, Any]:
+    """XLA's own step and the Random SkipReduce run of a sharded check.
 
-    ``gspmd``: XLA's own step (plain ``jax.grad`` of the whole batch and Adam)
-    on the same mesh and layout, the reference of k=0; ``random``: the same
-    Random SkipReduce training through ``make_train_step``. Params as numpy.
+    ``xla``: plain ``jax.grad`` of the whole batch and Adam, jitted, on the
+    same mesh and layout (``params``: a function of the mesh), the reference
+    of k=0; ``random``: ``tx`` through ``make_train_step`` over ``axis``, and
+    ``random_digests`` its shards'. Params as numpy, for :data:`HSDP_STEPS`
+    steps of ``hsdp_batch(t, processes)``.
     """
-    mesh = common.hsdp_mesh(jax.devices(), processes)
     adam = optax.adam(1e-2)
     with jax.set_mesh(mesh):
-        params = common.hsdp_params(mesh)
-        state = jax.jit(adam.init)(params)
+        p = params(mesh)
+        state = jax.jit(adam.init)(p)
 
         @jax.jit
-        def gspmd_step(p, s, batch):
-            loss, grads = jax.value_and_grad(common.hsdp_loss)(p, batch)
+        def xla_step(p, s, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(p, batch)
             updates, s = adam.update(grads, s, p)
             return optax.apply_updates(p, updates), s, loss
 
         losses = []
         for t in range(common.HSDP_STEPS):
-            batch = tuple(jax.device_put(a, NamedSharding(mesh, P("replica")))
+            batch = tuple(jax.device_put(a, NamedSharding(mesh, P(axis)))
                           for a in common.hsdp_batch(t, processes))
-            params, state, loss = gspmd_step(params, state, batch)
+            p, state, loss = xla_step(p, state, batch)
             losses.append(float(loss))
-    gspmd = {k: np.asarray(v) for k, v in params.items()}
+    xla = {k: np.asarray(v) for k, v in p.items()}
 
-    tx = common.hsdp_tx("random")
-    params = common.hsdp_params(mesh)
-    state = sr.init_opt_state(tx, params, mesh, "replica")
-    step = sr.make_train_step(common.hsdp_loss, tx, mesh, "replica")
+    p = params(mesh)
+    state = sr.init_opt_state(tx, p, mesh, axis)
+    step = sr.make_train_step(loss_fn, tx, mesh, axis)
     for t in range(common.HSDP_STEPS):
-        params, state, _ = step(params, state, common.hsdp_batch(t, processes))
-    return {"gspmd": gspmd, "losses": losses,
-            "random": {k: np.asarray(v) for k, v in params.items()}}
+        p, state, _ = step(p, state, common.hsdp_batch(t, processes))
+    return {"xla": xla, "losses": losses, "random_digests": common.shard_digests(p),
+            "random": {k: np.asarray(v) for k, v in p.items()}}
+
+
+@functools.cache
+def _hsdp_reference(processes: int) -> dict[str, Any]:
+    """The k=0 and Random runs of ``hsdp.py`` in this process, on 8 devices."""
+    return _reference(common.hsdp_mesh(jax.devices(), processes), "replica",
+                      common.hsdp_params, common.hsdp_loss, common.hsdp_tx("random"),
+                      processes)
 
 
 def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -296,6 +310,22 @@ def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> No
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=HSDP_RTOL, atol=HSDP_ATOL,
                                    err_msg=k)
+
+
+def _assert_runs(directory: Path, processes: int, reference: dict[str, Any],
+                 case: str) -> None:
+    """Each process's params of ``case`` against this process's :func:`_reference`.
+
+    k=0: XLA's step (and its losses); Random: the same run, and not k=0's.
+    """
+    for got in _job_files(directory, f"{case}.npz", processes):
+        losses = got.pop("losses")
+        if case == "k0":
+            np.testing.assert_allclose(losses, reference["losses"], rtol=HSDP_RTOL)
+            _assert_close(got, reference["xla"])
+        else:
+            _assert_close(got, reference["random"])
+            assert not np.allclose(got["w1"], reference["xla"]["w1"], rtol=1e-3)
 
 
 def _assert_shards_identical(digests: list[dict[str, str]], devices: int) -> None:
@@ -317,10 +347,8 @@ def test_hsdp_num_skip_zero_equals_gspmd(hsdp_job, layout) -> None:
     processes, devices = layout
     directory = hsdp_job(processes, devices, "train")
     reference = _hsdp_reference(processes)
-    _assert_shards_identical(_hsdp_files(directory, "k0.json", processes), devices)
-    for got in _hsdp_files(directory, "k0.npz", processes):
-        np.testing.assert_allclose(got.pop("losses"), reference["losses"], rtol=HSDP_RTOL)
-        _assert_close(got, reference["gspmd"])
+    _assert_shards_identical(_job_files(directory, "k0.json", processes), devices)
+    _assert_runs(directory, processes, reference, "k0")
 
 
 @pytest.mark.parametrize("layout", HSDP_LAYOUTS, ids=HSDP_IDS)
@@ -335,11 +363,8 @@ def test_hsdp_random_replicas_bit_identical(hsdp_job, layout) -> None:
     processes, devices = layout
     directory = hsdp_job(processes, devices, "train")
     reference = _hsdp_reference(processes)
-    _assert_shards_identical(_hsdp_files(directory, "random.json", processes), devices)
-    for got in _hsdp_files(directory, "random.npz", processes):
-        got.pop("losses")
-        _assert_close(got, reference["random"])
-        assert not np.allclose(got["w1"], reference["gspmd"]["w1"], rtol=1e-3)
+    _assert_shards_identical(_job_files(directory, "random.json", processes), devices)
+    _assert_runs(directory, processes, reference, "random")
 
 
 @pytest.mark.parametrize("layout", HSDP_LAYOUTS, ids=HSDP_IDS)
@@ -360,14 +385,110 @@ def test_hsdp_checkpoint_resume_bit_identical(hsdp_job, layout) -> None:
     processes, devices = layout
     directory = hsdp_job(processes, devices, "resume")
     assert checkpoint.latest_step(directory / "ckpt") == 2 * common.HSDP_T
-    uninterrupted = _hsdp_files(directory, "ef.json", processes)
-    assert _hsdp_files(directory, "resume.json", processes) == uninterrupted
+    uninterrupted = _job_files(directory, "ef.json", processes)
+    assert _job_files(directory, "resume.json", processes) == uninterrupted
     _assert_shards_identical(
         [{k[len("[0]"):]: v for k, v in d.items() if k.startswith("[0]")}
          for d in uninterrupted], devices)
     for i, digests in enumerate(uninterrupted):
         rows = {k.split("@")[1].split(",")[0] for k in digests if ".residual[" in k}
         assert rows == {f"{i}:{i + 1}"}, rows
+
+
+# --------------------------------------------------------------------------
+# FSDP: params sharded by rows over a data axis spanning every process.
+
+FSDP = SCRIPTS / "fsdp.py"
+
+
+@pytest.fixture(scope="module")
+def fsdp_job(tmp_path_factory):
+    """``fsdp.py`` train then resume, see :func:`_train_then_resume`."""
+    return _train_then_resume(tmp_path_factory, FSDP)
+
+
+@functools.cache
+def _fsdp_reference(processes: int, devices: int) -> dict[str, Any]:
+    """The k=0 and Random runs of ``fsdp.py`` in this process, on P x D devices."""
+    mesh = common.fsdp_mesh(jax.devices()[:processes * devices])
+    return _reference(
+        mesh, "data", lambda m: sr.shard_params(common.fsdp_host_params(), m, "data"),
+        common.fsdp_loss, common.hsdp_tx("random", "data", params_sharded=True),
+        processes)
+
+
+def _fsdp_shards(digests: list[dict[str, str]], devices: int) -> dict[str, str]:
+    """All processes' shards, checked to be theirs, as one ``path@index`` dict.
+
+    Each process holds ``devices`` row blocks of each sharded param, none of
+    another process's; the replicated gain is the same in every process.
+    """
+    merged: dict[str, str] = {}
+    for d in digests:
+        for k in ("w1", "b1", "w2"):
+            assert len([w for w in d if w.startswith(f"['{k}']@")]) == devices, (k, d)
+        assert d["['gain']@"] == digests[0]["['gain']@"], digests
+        assert not {w for w in d if w != "['gain']@"} & set(merged), digests
+        merged.update(d)
+    return merged
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_fsdp_num_skip_zero_equals_xlas_fsdp_step(fsdp_job, layout) -> None:
+    """k=0 over 10 steps, params sharded by rows over every device.
+
+    Each process holds only its devices' rows of each param (and passes only
+    their rows of the batch); gathered whole, the params equal XLA's own
+    FSDP step (plain jit, params ``P("data")``) in one process.
+    """
+    processes, devices = layout
+    directory = fsdp_job(processes, devices, "train")
+    reference = _fsdp_reference(processes, devices)
+    _fsdp_shards(_job_files(directory, "k0.json", processes), devices)
+    _assert_runs(directory, processes, reference, "k0")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_fsdp_random_shards_bit_identical(fsdp_job, layout) -> None:
+    """Random SkipReduce (50%): the same bits as the same run in one process.
+
+    The job asserts ``assert_replicated`` (the gain and Adam's count and
+    key, what is replicated); here: the processes' shards together are,
+    digest for digest, those of the same training on P x D devices of this
+    process (the skipped reduce-scatter only moves data between devices),
+    and the params differ from k=0's.
+    """
+    processes, devices = layout
+    directory = fsdp_job(processes, devices, "train")
+    reference = _fsdp_reference(processes, devices)
+    merged = _fsdp_shards(_job_files(directory, "random.json", processes), devices)
+    assert merged == reference["random_digests"]
+    _assert_runs(directory, processes, reference, "random")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_fsdp_checkpoint_resume_bit_identical(fsdp_job, layout) -> None:
+    """orbax save/restore of FSDP params, ZeRO moments and EF residuals.
+
+    ``train`` runs 2T steps, saving after T and 2T; ``resume``, in new
+    processes, restores step T into fresh state (params and Adam's moments
+    ``P("data")`` with each process's rows, residuals ``[ranks, *shape]``
+    with its devices' rows), trains T more and asserts them bit-identical
+    to checkpoint 2T. Here: each process's digests of its shards of params
+    and state after resuming equal those of the run that never stopped.
+    """
+    from skipreduce_jax import checkpoint  # needs orbax-checkpoint
+
+    processes, devices = layout
+    directory = fsdp_job(processes, devices, "resume")
+    assert checkpoint.latest_step(directory / "ckpt") == 2 * common.HSDP_T
+    uninterrupted = _job_files(directory, "ef.json", processes)
+    assert _job_files(directory, "resume.json", processes) == uninterrupted
+    _fsdp_shards([{k[len("[0]"):]: v for k, v in d.items() if k.startswith("[0]")}
+                  for d in uninterrupted], devices)
+    for i, digests in enumerate(uninterrupted):
+        rows = {k.split("@")[1].split(",")[0] for k in digests if ".residual['w1']" in k}
+        assert rows == {f"{r}:{r + 1}" for r in range(i * devices, (i + 1) * devices)}
 
 
 # --------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import os
 import pathlib
 import sys
 from collections.abc import Callable
@@ -260,12 +262,15 @@ HSDP_CASES = ("k0", "random", "ef")
 HSDP_STEPS, HSDP_T = 10, 3
 
 
-def hsdp_tx(case: str) -> Any:
-    """The optimizer of an HSDP check, see :data:`HSDP_CASES`."""
-    kwargs = {"k0": dict(num_skip=0),
-              "random": dict(skip_ratio=0.5),
-              "ef": dict(skip_ratio=0.5, error_feedback=True, warmup_steps=1)}[case]
-    return optax.chain(sr.skip_reduce("replica", seed=5, min_size=0, **kwargs),
+def hsdp_tx(case: str, axis_name: str = "replica", **kwargs: Any) -> Any:
+    """The optimizer of an HSDP (or FSDP) check, see :data:`HSDP_CASES`.
+
+    ``kwargs`` go to ``skip_reduce`` too (FSDP: ``params_sharded=True``).
+    """
+    kwargs.update({"k0": dict(num_skip=0),
+                   "random": dict(skip_ratio=0.5),
+                   "ef": dict(skip_ratio=0.5, error_feedback=True, warmup_steps=1)}[case])
+    return optax.chain(sr.skip_reduce(axis_name, seed=5, min_size=0, **kwargs),
                        optax.adam(1e-2))
 
 
@@ -290,17 +295,126 @@ def shard_digests(tree: Any) -> dict[str, str]:
     return out
 
 
-def assembled(tree: Any) -> Any:
-    """Each leaf put together, as numpy, from this process's shards.
+# --------------------------------------------------------------------------
+# FSDP: params sharded by rows over one data axis that spans every process.
 
-    This process must hold every part of each leaf (with replicas across
-    processes, its devices hold all fsdp shards).
+
+def fsdp_mesh(devices: Any) -> Mesh:
+    """The ``("data",)`` mesh over ``devices`` in order: process by process."""
+    return Mesh(np.array(devices), ("data",))
+
+
+def fsdp_host_params(seed: int = 0) -> dict[str, np.ndarray]:
+    """HSDP's MLP and a scalar gain (no rows to split: replicated)."""
+    return {**hsdp_host_params(seed), "gain": np.array(1.0, np.float32)}
+
+
+def fsdp_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """:func:`hsdp_loss` with the output layer scaled by the gain."""
+    return hsdp_loss({**params, "w2": params["w2"] * params["gain"]}, batch)
+
+
+# --------------------------------------------------------------------------
+# The train / resume job of hsdp.py and fsdp.py.
+
+
+def run_steps(step_fn: Any, params: Any, opt_state: Any, start: int, stop: int
+              ) -> tuple[Any, Any, list[float]]:
+    """Steps ``start..stop-1`` on :func:`hsdp_batch`, this process's rows only.
+
+    Also checks that the step compiled once and kept the params' layouts.
     """
-    def whole(leaf):
-        out = np.full(leaf.shape, np.nan, leaf.dtype)
-        for s in leaf.addressable_shards:
-            out[s.index] = np.asarray(s.data)
-        assert not np.isnan(out).any(), "a part of the leaf is on no local device"
-        return out
+    me, processes = jax.process_index(), jax.process_count()
+    like = jax.tree_util.tree_map(lambda x: x.sharding, params)
+    losses = []
+    for t in range(start, stop):
+        x, y = hsdp_batch(t, processes)
+        rows = slice(me * HSDP_ROWS, (me + 1) * HSDP_ROWS)
+        params, opt_state, loss = step_fn(params, opt_state, (x[rows], y[rows]))
+        losses.append(float(loss))
+    assert step_fn._cache_size() == 1  # outputs (and restored state) fit the step
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params),
+                                 jax.tree_util.tree_leaves(like), strict=True):
+        assert got.sharding.is_equivalent_to(want, got.ndim), (path, got.sharding)
+    return params, opt_state, losses
 
-    return jax.tree_util.tree_map(whole, tree)
+
+def assert_same_shards(got: Any, want: Any) -> None:
+    """The same structure, layouts and bits, shard by shard on this process."""
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        # The step spells P("fsdp", None) as P("fsdp"): the same layout.
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
+        w_shards = {s.device: s for s in w.addressable_shards}
+        for s in g.addressable_shards:
+            assert s.index == w_shards[s.device].index
+            np.testing.assert_array_equal(np.asarray(s.data),
+                                          np.asarray(w_shards[s.device].data))
+
+
+def sharded_job(directory: str, mode: str, mesh: Mesh, fresh: Callable[..., Any],
+                check_residuals: Callable[[Any], None]) -> None:
+    """``train`` or ``resume`` of a sharded check script (see ``hsdp.py``).
+
+    Args:
+      directory: where the job writes its files and checkpoints.
+      mode: ``"train"`` or ``"resume"``.
+      mesh: the job's mesh.
+      fresh: ``(case, seed=0) -> (params, opt_state, step_fn)``, as a
+        (re)started job builds them, for a case of :data:`HSDP_CASES`.
+      check_residuals: asserts the layout of the ``ef`` state's residuals.
+    """
+    from jax.experimental import multihost_utils
+
+    from skipreduce_jax import checkpoint
+
+    me, t = jax.process_index(), HSDP_T
+    ckpt = os.path.join(directory, "ckpt")
+
+    def write(name, value):
+        with open(os.path.join(directory, f"{name}_p{me}.json"), "w") as f:
+            json.dump(value, f)
+
+    if mode == "train":
+        for case in ("k0", "random"):
+            params, opt_state, step_fn = fresh(case)
+            params, opt_state, losses = run_steps(step_fn, params, opt_state, 0, HSDP_STEPS)
+            sr.assert_replicated(params, mesh)
+            sr.assert_replicated(opt_state, mesh)
+            # The params whole (gathered over processes where sharded over them).
+            whole = multihost_utils.process_allgather(params, tiled=True)
+            np.savez(os.path.join(directory, f"{case}_p{me}.npz"), losses=np.array(losses),
+                     **whole)
+            write(case, shard_digests(params))
+
+        params, opt_state, step_fn = fresh("ef")
+        check_residuals(opt_state)
+        params, opt_state, _ = run_steps(step_fn, params, opt_state, 0, t)
+        checkpoint.save(ckpt, t, params, opt_state)
+        params, opt_state, _ = run_steps(step_fn, params, opt_state, t, 2 * t)
+        sr.assert_replicated(params, mesh)
+        check_residuals(opt_state)
+        checkpoint.save(ckpt, 2 * t, params, opt_state)
+        write("ef", shard_digests((params, opt_state)))
+    elif mode == "resume":
+        params, opt_state, step_fn = fresh("ef", seed=1)
+        like = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
+        step, params, opt_state = checkpoint.restore(
+            ckpt, params_like=params, opt_state_like=opt_state, step=t)
+        assert step == t and int(opt_state[0].count.addressable_data(0)) == t
+        # Every array comes back with the layout of the one it was restored into.
+        assert jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state)) == like
+        check_residuals(opt_state)
+        assert any(np.any(np.asarray(s.data) != 0)
+                   for s in opt_state[0].residual["w1"].addressable_shards)
+        params, opt_state, _ = run_steps(step_fn, params, opt_state, t, 2 * t)
+        like_params, like_state, _ = fresh("ef", seed=2)
+        _, want_params, want_state = checkpoint.restore(
+            ckpt, params_like=like_params, opt_state_like=like_state, step=2 * t)
+        assert_same_shards(params, want_params)
+        assert_same_shards(opt_state, want_state)
+        write("resume", shard_digests((params, opt_state)))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print(f"RESULT mode={mode} process={me} devices={jax.device_count()} pid={os.getpid()}")

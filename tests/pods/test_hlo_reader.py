@@ -20,6 +20,10 @@ NODE_PAIRS = [[i, i + 8] for i in range(8)]
     ("replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_1'}, x",
      [list(range(8)), list(range(8, 16))]),
     ("replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0'}, x", [list(range(16))]),
+    # Axes over devices in another order: an iota (XLA's FSDP step on GPUs), a list.
+    ("replica_groups=mesh['axis_0'=8,'axis_1'=2,'axis_2'=1], device_ids=([2,8]T(1,0)) "
+     "{'axis_1'}, dimensions={1}", NODE_PAIRS),
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'a'}, x", [[0, 1], [2, 3]]),
     ("source_target_pairs={{0,8},{8,0}}, x", [[0, 8], [8, 0]]),
     ("replica_groups={}, to_apply", [list(range(16))]),
 ])
@@ -96,3 +100,36 @@ def test_dcn_all_gather_in_a_loop_counts_every_trip(found):
 def test_slow_bytes_adds_the_ops_that_cross_nodes(found):
     assert pods.slow_bytes(found.values()) == (
         found["all-reduce-start"].bytes_per_device + found["send"].bytes_per_device)
+
+
+_BRANCHY = """HloModule c, is_scheduled=true, num_partitions=16
+
+%whole (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %cp.whole = f32[64]{0} collective-permute(%p), source_target_pairs={{0,8},{8,0}}
+}
+
+%half (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  %s = f32[32]{0} slice(%p), slice={[0:32]}
+  %cp.half = f32[32]{0} collective-permute(%s), source_target_pairs={{0,8},{8,0}}
+  ROOT %c = f32[64]{0} concatenate(%cp.half, %cp.half), dimensions={0}
+}
+
+ENTRY %main (i: s32[], x: f32[64]) -> f32[64] {
+  %i = s32[] parameter(0)
+  %x = f32[64]{0} parameter(1)
+  ROOT %cond = f32[64]{0} conditional(%i, %x, %x), BRANCHES
+}
+"""
+
+
+@pytest.mark.parametrize("branches", [
+    "branch_computations={%half, %whole}",
+    "true_computation=%half, false_computation=%whole",
+])
+def test_a_conditional_counts_the_branch_that_sends_the_most(branches):
+    found = pods.collectives(_BRANCHY.replace("BRANCHES", branches),
+                             [d // 8 for d in range(16)])
+    assert [c.name for c in found] == ["cp.whole"]  # one branch runs per call
+    assert pods.slow_bytes(found) == 64 * 4

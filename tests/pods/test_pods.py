@@ -5,6 +5,7 @@ these tests skip, saying why; with ``SKIPREDUCE_PODS=1`` (set by ``make
 check-pods``) a missing plugin is an error instead.
 """
 
+import functools
 import importlib.util
 import os
 import pathlib
@@ -14,6 +15,7 @@ import jax
 import optax
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import skipreduce_jax as sr  # noqa: E402
@@ -187,3 +189,66 @@ def test_sharded_step_skips_over_the_slow_axis_only(platform, k):
     if k > 0:  # (k = 0 is skip_reduce's plain pmean: XLA's own all-reduce)
         assert not [c for c in found if c.slow and c.reduces
                     and c.bytes_per_device > 0.01 * local]
+
+
+def _fsdp_params(mesh):
+    """The test MLP with every param sharded by rows over the slow axis (FSDP)."""
+    loss_fn, shapes = pods.mlp(1024, 4)
+    specs = jax.tree_util.tree_map(lambda _: P(pods.SLOW), shapes)
+    return loss_fn, shapes, pods._placed(shapes, mesh, specs)
+
+
+def _slow_gathers(found):
+    return sum(c.bytes_per_device for c in found
+               if c.slow and c.kind in ("all-gather", "dcn-all_gather"))
+
+
+@functools.cache
+def _xla_fsdp_collectives(platform):
+    """XLA's own FSDP step: plain jit, params P("slow"), the batch over all devices."""
+    mesh = _mesh(platform)
+    loss_fn, _, params = _fsdp_params(mesh)
+    sgd = optax.sgd(0.1)
+
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return optax.apply_updates(params, sgd.update(grads, sgd.init(params))[0]), loss
+
+    compiled = jax.jit(step, donate_argnums=0).lower(
+        params, pods._batch(mesh, 1024, 32)).compile()
+    return pods.collectives(compiled.as_text(), pods.mesh_nodes(mesh))
+
+
+@pytest.mark.parametrize("platform, k", CASES)
+def test_fsdp_step_over_the_slow_axis_sends_the_formula(platform, k):
+    """FSDP over the slow axis: params sharded by rows over it, whole over fast.
+
+    make_train_step(..., "slow") is then manual over both axes (no param is
+    sharded over the fast one; each device of a slice or node takes its
+    rows of the batch). The slow axis carries the params' all-gather,
+    (N-1)/N P, the skipped reduce-scatter of the gradients, (N-1-k)/N P, and
+    the loss's mean, and no all-reduce of gradients. XLA's own FSDP step on
+    the same mesh gathers the same params and sends at least what k=0 does.
+    """
+    mesh = _mesh(platform)
+    n = mesh.shape[pods.SLOW]
+    loss_fn, shapes, params = _fsdp_params(mesh)
+    tx = optax.chain(sr.skip_reduce(pods.SLOW, num_skip=k, min_size=0,
+                                    params_sharded=True), optax.sgd(0.1))
+    step = sr.make_train_step(loss_fn, tx, mesh, pods.SLOW)
+    state = jax.eval_shape(tx.init, shapes)
+    state = pods._placed(state, mesh, sr.state_specs(state, pods.SLOW))
+    found = pods.collectives(
+        step.lower(params, state, pods._batch(mesh, 1024, 32)).compile().as_text(),
+        pods.mesh_nodes(mesh))
+    whole = _param_bytes()
+    gather = _traffic.all_gather_bytes(whole, n)
+    loss = _traffic.ring_allreduce_bytes(4, n)
+    assert _slow_gathers(found) == pytest.approx(gather, rel=0.01)
+    assert pods.slow_bytes(found) == pytest.approx(
+        gather + _traffic.reduce_scatter_bytes(whole, n, k) + loss, rel=0.01)
+    assert not [c for c in found if c.slow and c.reduces and c.bytes_per_device > 0.01 * whole]
+    xla = _xla_fsdp_collectives(platform)
+    assert _slow_gathers(xla) >= 0.99 * gather
+    assert pods.slow_bytes(xla) >= 0.99 * (gather + _traffic.reduce_scatter_bytes(whole, n))
+    assert pods.slow_bytes(found) <= pods.slow_bytes(xla) - 0.99 * k / n * whole
