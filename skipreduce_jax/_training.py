@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from skipreduce_jax import _checks as checks
 from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._parallel import (
     as_tuple,
@@ -349,12 +350,9 @@ def make_train_step(
         first call) if ``tx`` leaves the gradients unreduced.
     """
     axes = mesh_axes(mesh, axis_name, api="make_train_step")
-    if not isinstance(donate, (bool, np.bool_)):
-        raise TypeError(f"make_train_step: donate={donate!r} must be a bool.")
-    if isinstance(microbatches, bool) or not isinstance(
-            microbatches, (int, np.integer)) or microbatches < 1:
-        raise ValueError(f"make_train_step: microbatches={microbatches!r} must "
-                         "be a positive int.")
+    donate = checks.check_bool(donate, "donate", api="make_train_step")
+    microbatches = checks.check_int(microbatches, "microbatches", api="make_train_step",
+                                    minimum=1, type_error=ValueError)
     value_and_grad = local_value_and_grad(loss_fn, axes)
 
     def local_value_and_grads(params, batch):
