@@ -159,8 +159,20 @@ def init_optimizer(
     params = nnx.state(model, wrt)
     state = init_opt_state(tx, params, mesh, axis_name)
     optimizer.tx = tx
+    # init_opt_state placed every leaf; flax's eager sharding would place the
+    # new Variables again by the params' annotations, which need a mesh
+    # context and misfit a residual's extra leading row axis.
+    state = jax.tree_util.tree_map(_placed, state,
+                                   is_leaf=lambda x: isinstance(x, nnx.Variable))
     optimizer.opt_state = nnx.data(to_opt_state(state))
     return optimizer
+
+
+def _placed(x: Any) -> Any:
+    """A Variable ``x`` as one that flax does not shard again on copies."""
+    if not isinstance(x, nnx.Variable) or not x.get_metadata().get("eager_sharding"):
+        return x
+    return type(x)(x.get_value(), **{**x.get_metadata(), "eager_sharding": False})
 
 
 def data_parallel(
