@@ -201,7 +201,9 @@ def data_parallel(
       donate_argnums: positions whose buffers the step may reuse.
 
     Returns:
-      A callable ``step(*args)`` returning what ``step_fn`` returns.
+      A callable ``step(*args)`` returning what ``step_fn`` returns; its
+      ``lower`` method lowers it as ``jax.jit``'s does (e.g. to read the
+      compiled program's collectives), leaving the objects as they are.
     """
     api = "skipreduce_jax.nnx.data_parallel"
     batch = positions(batch_argnums, "batch_argnums", api=api)
@@ -227,17 +229,26 @@ def data_parallel(
                           donate_argnums=donate_argnums,
                           api=api, describe=describe)
 
-    @functools.wraps(step_fn)
-    def step(*args):
+    def built(args):
         graph = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)
                       and i not in batch and i not in static)
         names = tuple(type(args[i]).__name__ for i in graph)
         if (graph, names) not in steps:
             steps[graph, names] = build(graph, names)
-        out, objects = steps[graph, names](*args)
+        return graph, steps[graph, names]
+
+    @functools.wraps(step_fn)
+    def step(*args):
+        graph, jitted = built(args)
+        out, objects = jitted(*args)
         for i, new in zip(graph, objects, strict=True):
             nnx.update(args[i], nnx.state(new))
         return out
 
+    def lower(*args):
+        """Lowers the step for ``args`` as ``jax.jit``'s ``lower`` (updates nothing)."""
+        return built(args)[1].lower(*args)
+
+    step.lower = lower
     return step
 

@@ -214,6 +214,10 @@ def test_init_optimizer_keeps_partitioned_params_layouts_without_a_mesh_context(
         return lax.pmean(loss, "replica")
 
     step = srnnx.data_parallel(step_fn, mesh, "replica", batch_argnums=2)
+    before = np.asarray(model.kernel[...])
+    text = step.lower(model, optimizer, np.ones((8, 16), np.float32)).compile().as_text()
+    assert sr.collective_traffic(text).count("all-gather") > 0   # the ring's gather
+    np.testing.assert_array_equal(model.kernel[...], before)             # lowering updates nothing
     for _ in range(2):
         assert np.isfinite(float(step(model, optimizer, np.ones((8, 16), np.float32))))
     assert model.kernel[...].sharding.spec == P("fsdp", "tensor")
