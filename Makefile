@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-fast demo demo-lm demo-multihost bench bench-cluster \
+.PHONY: install lint test test-fast demo demo-lm demo-sharded demo-multihost bench bench-cluster \
         bench-tta check-pods clean
 
 $(STAMP): pyproject.toml
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 demo-lm: $(STAMP)
 	$(PY) examples/train_lm.py
+
+# NNX model sharded over (fsdp, tensor), SkipReduce over replica (about 2 minutes).
+demo-sharded: $(STAMP)
+	$(PY) examples/train_sharded.py
 
 demo-multihost: $(STAMP)
 	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py
