@@ -59,11 +59,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import train_lm  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from train_lm import VOCAB_SIZE, load_corpus, train_batches, val_windows  # noqa: E402
+from train_lm import (  # noqa: E402
+    VOCAB_SIZE,
+    load_corpus,
+    make_optimizer,
+    train_batches,
+    val_windows,
+)
 
 import skipreduce_jax as sr  # noqa: E402
 import skipreduce_jax.nnx as srnnx  # noqa: E402
@@ -173,6 +180,7 @@ class Config:
     heads: int = 4
     lr: float = 3e-3
     warmup: int = 15
+    weight_decay: float = 0.1
     skip_ratio: float = 0.5
     min_size: int = 0
     eval_every: int = 25
@@ -214,26 +222,17 @@ def create_model(config: Config, mesh: jax.sharding.Mesh) -> ByteTransformer:
 
 
 def reduce_kwargs(variant: str, config: Config) -> dict[str, Any]:
-    """The :func:`skipreduce_jax.skip_reduce` arguments of one variant."""
-    if variant == "allreduce":
-        return dict(num_skip=0, min_size=0)
-    kwargs: dict[str, Any] = dict(skip_ratio=config.skip_ratio,
-                                  min_size=config.min_size, seed=config.seed)
+    """The :func:`skipreduce_jax.skip_reduce` arguments of one variant.
+
+    Those of ``train_lm.py``, except that Selective also fully reduces the
+    LayerNorms.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}.")
+    kwargs = train_lm.reduce_kwargs("random" if variant == "selective" else variant, config)
     if variant == "selective":
         kwargs["selective"] = sr.exclude(*SELECTIVE_EXCLUDE)
-    elif variant != "random":
-        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}.")
     return kwargs
-
-
-def make_optimizer(config: Config, reducer: optax.GradientTransformation
-                   ) -> optax.GradientTransformation:
-    """``reducer`` first, then clipping and AdamW with warmup + cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.lr, min(config.warmup, config.steps - 1), config.steps,
-        end_value=config.lr / 10)
-    return optax.chain(reducer, optax.clip_by_global_norm(1.0),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
 def _train_step(model: ByteTransformer, optimizer: nnx.Optimizer,
