@@ -4,8 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-fast demo demo-lm demo-nnx demo-linen demo-multihost bench \
-        bench-cluster bench-tta bench-sharded bench-fsdp check-pods clean
+.PHONY: install lint test test-fast demo demo-lm demo-nnx demo-linen demo-sharded demo-multihost \
+        bench bench-cluster bench-tta bench-sharded bench-fsdp check-pods clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo-nnx: $(STAMP)
 
 demo-linen: $(STAMP)
 	$(PY) examples/linen_lm.py
+
+# NNX model sharded over (fsdp, tensor), SkipReduce over replica (about 2 minutes).
+demo-sharded: $(STAMP)
+	$(PY) examples/train_sharded.py
 
 demo-multihost: $(STAMP)
 	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py

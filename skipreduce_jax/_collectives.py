@@ -292,12 +292,24 @@ def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
     if all(s is None for s in per_leaf):
         return None
 
+    # Leaves share packed buffers, whose type varies over the union of their
+    # leaves' axes: reduce each set of equally sharded leaves on its own.
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, spec in enumerate(per_leaf):
+        groups.setdefault(frozenset(_shards.spec_axes(spec)), []).append(i)
+
     def local(local_leaves, *maybe_key):
-        out = reduce(treedef.unflatten(local_leaves),
-                     maybe_key[0] if maybe_key else None)
-        if num_outputs == 1:
-            return treedef.flatten_up_to(out)
-        return tuple(treedef.flatten_up_to(o) for o in out)
+        outs = [[None] * len(local_leaves) for _ in range(num_outputs)]
+        for g, members in enumerate(groups.values()):
+            # Each group its own schedules (the first keeps the key as is).
+            k = maybe_key[0] if maybe_key else None
+            out = reduce([local_leaves[i] for i in members],
+                         k if k is None or g == 0 else jax.random.fold_in(k, g))
+            for res, got in zip(outs, (out,) if num_outputs == 1 else out,
+                                strict=True):
+                for i, leaf in zip(members, got, strict=True):
+                    res[i] = leaf
+        return outs[0] if num_outputs == 1 else tuple(outs)
 
     extra = () if key is None else (as_typed_key(key, api=api),)
     out = _shards.on_local_shards(local, leaves, per_leaf, *extra,

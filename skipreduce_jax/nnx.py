@@ -159,8 +159,20 @@ def init_optimizer(
     params = nnx.state(model, wrt)
     state = init_opt_state(tx, params, mesh, axis_name)
     optimizer.tx = tx
+    # init_opt_state placed every leaf; flax's eager sharding would place the
+    # new Variables again by the params' annotations, which need a mesh
+    # context and misfit a residual's extra leading row axis.
+    state = jax.tree_util.tree_map(_placed, state,
+                                   is_leaf=lambda x: isinstance(x, nnx.Variable))
     optimizer.opt_state = nnx.data(to_opt_state(state))
     return optimizer
+
+
+def _placed(x: Any) -> Any:
+    """A Variable ``x`` as one that flax does not shard again on copies."""
+    if not isinstance(x, nnx.Variable) or not x.get_metadata().get("eager_sharding"):
+        return x
+    return type(x)(x.get_value(), **{**x.get_metadata(), "eager_sharding": False})
 
 
 def data_parallel(
@@ -189,7 +201,9 @@ def data_parallel(
       donate_argnums: positions whose buffers the step may reuse.
 
     Returns:
-      A callable ``step(*args)`` returning what ``step_fn`` returns.
+      A callable ``step(*args)`` returning what ``step_fn`` returns; its
+      ``lower`` method lowers it as ``jax.jit``'s does (e.g. to read the
+      compiled program's collectives), leaving the objects as they are.
     """
     api = "skipreduce_jax.nnx.data_parallel"
     batch = positions(batch_argnums, "batch_argnums", api=api)
@@ -215,17 +229,26 @@ def data_parallel(
                           donate_argnums=donate_argnums,
                           api=api, describe=describe)
 
-    @functools.wraps(step_fn)
-    def step(*args):
+    def built(args):
         graph = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)
                       and i not in batch and i not in static)
         names = tuple(type(args[i]).__name__ for i in graph)
         if (graph, names) not in steps:
             steps[graph, names] = build(graph, names)
-        out, objects = steps[graph, names](*args)
+        return graph, steps[graph, names]
+
+    @functools.wraps(step_fn)
+    def step(*args):
+        graph, jitted = built(args)
+        out, objects = jitted(*args)
         for i, new in zip(graph, objects, strict=True):
             nnx.update(args[i], nnx.state(new))
         return out
 
+    def lower(*args):
+        """Lowers the step for ``args`` as ``jax.jit``'s ``lower`` (updates nothing)."""
+        return built(args)[1].lower(*args)
+
+    step.lower = lower
     return step
 

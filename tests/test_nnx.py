@@ -190,3 +190,35 @@ def test_plain_local_grad_points_nnx_modules_to_the_nnx_helper():
         mesh, batch_argnums=1)
     with pytest.raises(TypeError, match=r"skipreduce_jax\.nnx\.local_value_and_grad"):
         step(nnx.Linear(8, 2, rngs=nnx.Rngs(0)), np.ones((N, 8), np.float32))
+
+
+def test_init_optimizer_keeps_partitioned_params_layouts_without_a_mesh_context():
+    mesh = jax.make_mesh((2, 2, 2), ("replica", "fsdp", "tensor"),
+                         axis_types=(AxisType.Auto,) * 3)
+    init = nnx.with_partitioning(nnx.initializers.normal(0.1), ("fsdp", "tensor"))
+    with jax.set_mesh(mesh):  # flax shards annotated params as it creates them
+        model = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+    tx = optax.chain(sr.skip_reduce("replica", num_skip=1, min_size=0, error_feedback=True),
+                     optax.adam(1e-2))
+    # Outside the mesh context: the state is placed already, not by flax again.
+    optimizer = srnnx.init_optimizer(model, tx, mesh, "replica")
+    residual = optimizer.opt_state[0].residual["kernel"][...]
+    assert residual.shape == (2, 16, 32)
+    assert residual.sharding.spec == P("replica", "fsdp", "tensor")   # a row per rank
+    assert optimizer.opt_state[1][0].mu["kernel"][...].sharding.spec == P("fsdp", "tensor")
+
+    def step_fn(model, optimizer, x):
+        loss, grads = srnnx.local_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2),
+                                                 "replica")(model, x)
+        optimizer.update(model, grads)   # kernel sharded, bias replicated
+        return lax.pmean(loss, "replica")
+
+    step = srnnx.data_parallel(step_fn, mesh, "replica", batch_argnums=2)
+    before = np.asarray(model.kernel[...])
+    text = step.lower(model, optimizer, np.ones((8, 16), np.float32)).compile().as_text()
+    assert sr.collective_traffic(text).count("all-gather") > 0   # the ring's gather
+    np.testing.assert_array_equal(model.kernel[...], before)             # lowering updates nothing
+    for _ in range(2):
+        assert np.isfinite(float(step(model, optimizer, np.ones((8, 16), np.float32))))
+    assert model.kernel[...].sharding.spec == P("fsdp", "tensor")
+    sr.assert_replicated(nnx.state(model), mesh)
