@@ -390,12 +390,19 @@ class DataParallelStep:
                     else:
                         _check_not_split(path, x, i, mesh, axes, api=api)
                         new.append(_place_replicated(x, mesh, axes))
-            # Abstract arguments (for lower) keep the shardings they name.
-            new = [x if isinstance(x, jax.ShapeDtypeStruct) else _respell(y, mesh, axes)
-                   for (_, x), y in zip(with_paths, new, strict=True)]
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)
+        # One spelling per layout, the one the step's outputs come back in:
+        # with leaves laid out over the compiler's axes every output is
+        # pinned to its layout (spelled without trailing Nones), else they
+        # come out of the shard_map (an entry per dimension).
+        stripped = any(_spec_axes(s) - set(axes) for i, a in enumerate(placed)
+                       if i not in self._static and i not in self._batch
+                       for s in map(lambda x: _spec_of(x, mesh) or P(),
+                                    jax.tree_util.tree_leaves(a)))
+        placed = [a if i in self._static else jax.tree_util.tree_map(
+            lambda x: _respell(x, mesh, stripped), a) for i, a in enumerate(placed)]
         # How each leaf is laid out, for the trace that follows (the jit
         # cache keys on input shardings, so a new layout traces again).
         self._specs = [None if i in self._static else
@@ -458,7 +465,8 @@ class DataParallelStep:
         # Leaves laid out over the compiler's axes: under Explicit axes a
         # partial-manual shard_map takes them only as Auto (on the context
         # mesh auto_axes sets), and outputs are pinned to their layouts.
-        sharded = bool(compiler) and any(o is not None for o in other)
+        sharded = bool(compiler) and any(
+            _without(s, manual) for _, specs in kept for s in specs)
 
         def mapped(fn, out_specs, out_sharding):
             if not (sharded and explicit):
@@ -484,26 +492,22 @@ class DataParallelStep:
         out = mapped(local, out_specs, tuple(full))(*flat)
         if sharded and not explicit:
             out = [lax.with_sharding_constraint(o, NamedSharding(self._mesh, f))
-                   if _spec_axes(f) - manual else o
                    for o, f in zip(out, full, strict=True)]
         return out_tree.unflatten(out)
 
 
-def _respell(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
-    """``x`` with its layout spelled as the step spells its outputs.
+def _respell(x: Any, mesh: jax.sharding.Mesh, stripped: bool) -> Any:
+    """``x`` with its layout spelled without trailing Nones, or with all.
 
-    The jit cache keys on how a sharding is spelled: a layout over the
-    compiler's axes comes back without trailing Nones, one over the data
-    axes alone with an entry per dimension. Spelling inputs the same way
-    lets outputs fed back hit the first compilation.
+    The jit cache keys on how a sharding is spelled, so inputs are spelled
+    as the step's outputs will be: feeding them back hits the first
+    compilation. Abstract arguments (for ``lower``) stay as they are.
     """
     spec = _spec_of(x, mesh)
     if spec is None or not isinstance(x, jax.Array):
         return x
-    if _spec_axes(spec) - set(axes):
-        want = _canonical(spec)
-    else:
-        want = P(*(list(spec) + [None] * (x.ndim - len(spec))))
+    want = (_canonical(spec) if stripped
+            else P(*(list(spec) + [None] * (x.ndim - len(spec)))))
     return x if want == spec else jax.device_put(x, NamedSharding(mesh, want))
 
 
