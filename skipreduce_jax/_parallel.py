@@ -650,6 +650,13 @@ def data_parallel(
     sharded over other axes only is left as it is). Outputs are placed so
     that feeding them back moves nothing.
 
+    Sharded layouts: an argument sharded over other mesh axes keeps that
+    layout (those axes stay with the compiler; ``skip_reduce`` is told the
+    params' specs and reduces each device's shard), and one whose rows are
+    split over the data axes (FSDP / ZeRO) enters as this rank's block. An
+    output with the structure of an argument (params, optimizer state, a
+    TrainState) comes back in that argument's layout.
+
     In a multi-process job a host batch is this process's part of the
     global batch, as for :func:`shard_batch`.
 
