@@ -392,8 +392,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
 
     rest = _full_mean([g for g, s in zip(leaves, skippable) if not s],
                       [c for c, s in zip(scattered, skippable) if not s], config)
-    reduced_it, rest_it = iter(reduced), iter(rest)
-    out = [next(reduced_it) if s else next(rest_it) for s in skippable]
+    out = _merge(skippable, reduced, rest)
 
     if config.check_finite:
         # One flag for all ranks: True when every rank's gradient is finite.
@@ -409,9 +408,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         applied = _all_finite(out)
         if any(scattered):  # each rank holds other blocks: decide together
             applied = lax.pmin(applied.astype(jnp.int32), axes) > 0
-        left_out_it = iter(left_out)
-        new = [next(left_out_it)[None] if s else r
-               for s, r in zip(skippable, residuals)]
+        kept = [r for r, s in zip(residuals, skippable) if not s]
+        new = _merge(skippable, [x[None] for x in left_out], kept)
         new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r)
                .astype(r.dtype) for x, r in zip(new, residuals)]
         residual = jax.tree_util.tree_unflatten(treedef, new)
