@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-fast demo demo-lm demo-nnx demo-linen demo-sharded demo-multihost \
+.PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-sharded demo-multihost \
         bench bench-cluster bench-tta bench-sharded bench-fsdp check-pods clean
 
 $(STAMP): pyproject.toml
@@ -19,13 +19,16 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The whole suite, docstring examples and multi-process tests included.
+# The suite and every docstring example, without the tests marked slow.
 test: $(STAMP)
-	$(PY) -m pytest -q
-
-# Without the slow (multi-process and training) tests.
-test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The slow ones: multi-process jobs and short training runs (CI runs both).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) examples/train_digits.py
