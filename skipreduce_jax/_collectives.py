@@ -677,10 +677,11 @@ def contribution_mask(
 # ----------------------------------------------------------------------------
 
 
-def _scatter_plan(x: Any, axis_name: str, *, num_skip: int, key: Any,
-                  randomize: bool, bucket_bytes: int, api: str
+def _scatter_plan(x: Any, axis_name: str, *, inner_axis: str | None,
+                  num_skip: int, key: Any, randomize: bool, bucket_bytes: int,
+                  api: str
                   ) -> tuple[BlockPlan, list[ScatterSchedule], list[jax.Array]]:
-    n = checks.axis_size(axis_name, api=api)
+    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
     checks.check_bool(randomize, "randomize", api=api,
                       meaning="False: static SkipReduce")
     num_skip = checks.check_num_skip(num_skip, n, api=api)
@@ -695,8 +696,10 @@ def _scatter_plan(x: Any, axis_name: str, *, num_skip: int, key: Any,
     needs_key = randomize and num_skip > 0
     if needs_key or key is not None:
         key = as_typed_key(key, api=api)
-        _check_key_replicated(key, (axis_name,), api)
-    plan = plan_blocks(x, group_size=n, bucket_bytes=bucket_bytes)
+        _check_key_replicated(key, _both(axis_name, inner_axis), api)
+    # Hierarchical: N * L blocks, block o * L + i for device (o, i), the
+    # order of P((axis_name, inner_axis)).
+    plan = plan_blocks(x, group_size=n * inner, bucket_bytes=bucket_bytes)
     schedules = [
         make_scatter_schedule(
             n, num_skip=num_skip, randomize=randomize,
@@ -705,32 +708,45 @@ def _scatter_plan(x: Any, axis_name: str, *, num_skip: int, key: Any,
     return plan, schedules, leaves
 
 
-def _scatter(x: Any, axis_name: str, *, key: Any, num_skip: int, randomize: bool,
-             scale: float | None, bucket_bytes: int, accumulate_dtype: Any,
-             api: str) -> Any:
+def _both(axis_name: str, inner_axis: str | None) -> tuple[str, ...]:
+    return (axis_name,) + ((inner_axis,) if inner_axis else ())
+
+
+def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
+             num_skip: int, randomize: bool, scale: float | None,
+             bucket_bytes: int, accumulate_dtype: Any, api: str) -> Any:
     """The shared body of the skipped reduce-scatters."""
     for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
         if leaf.dtype == jnp.bool_:
             raise TypeError(f"{api}: got a bool leaf; cast it to an integer "
                             "dtype to count.")
     plan, schedules, leaves = _scatter_plan(
-        x, axis_name, num_skip=num_skip, key=key, randomize=randomize,
-        bucket_bytes=bucket_bytes, api=api)
+        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
+        randomize=randomize, bucket_bytes=bucket_bytes, api=api)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
+    axes = _both(axis_name, inner_axis)
     if vma_checked(axis_name):
-        leaves = [cast_varying(leaf, (axis_name,)) for leaf in leaves]
+        leaves = [cast_varying(leaf, axes) for leaf in leaves]
+    n = schedules[0].axis_size if schedules else 1
     rows = []
     for bucket, (dtype, _) in enumerate(plan.buckets):
         acc_dtype = summed_dtype(dtype, accumulate_dtype)
+        buffer = plan.pack(leaves, bucket)  # [N * L, M]
+        if inner_axis is not None:
+            # Fully over the fast axis first: device (o, i) keeps blocks
+            # o' * L + i for every o', then the skipped scatter over the slow one.
+            inner = buffer.shape[0] // n
+            by_inner = buffer.astype(acc_dtype).reshape(n, inner, -1).swapaxes(0, 1)
+            buffer = _scatter_inner(by_inner.reshape(-1), inner_axis,
+                                    inner).reshape(n, -1)
         row = _ring.reduce_scatter_to_owners(
-            plan.pack(leaves, bucket), schedules[bucket], axis_name,
-            accumulate_dtype=acc_dtype)
+            buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype)
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
     def zeros(i):  # a zero-size leaf's block, typed like the others
         block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])
-        return cast_varying(block, (axis_name,)) if vma_checked(axis_name) else block
+        return cast_varying(block, axes) if vma_checked(axis_name) else block
 
     return plan.unpack(rows, fill=zeros)
 
@@ -743,6 +759,7 @@ def skip_psum_scatter(
     num_skip: int,
     randomize: bool = True,
     rescale: bool = False,
+    inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
 ) -> Any:
@@ -761,6 +778,15 @@ def skip_psum_scatter(
     k / (N - 1); the program is the same for every key (see
     :func:`scatter_contribution_mask`).
 
+    Hierarchical (``inner_axis`` of size L, e.g. FSDP over every device with
+    the slow axis outer): the blocks are those of ``lax.psum_scatter`` over
+    ``(axis_name, inner_axis)``, N * L of them, device (o, i) owning block
+    ``o * L + i`` (the layout ``P((axis_name, inner_axis))``). The buffer is
+    first reduce-scattered in full over the fast inner axis, then the skipped
+    scatter above runs over ``axis_name`` on 1/L of it: every element sums all
+    L inner ranks of N - k outer ones, and (N - 1 - k) / N of 1/L of the
+    buffer crosses the slow axis.
+
     Args:
       x: a pytree of arrays (floating or integer) with a leading axis.
       axis_name: the mesh axis to reduce over.
@@ -768,11 +794,13 @@ def skip_psum_scatter(
       num_skip: k, a Python int in [0, N - 1].
       randomize: False is static: the same ranks are left out whatever the key.
       rescale: multiply by N / (N - k).
+      inner_axis: hierarchical mode: a second (fast) axis reduced in full.
       bucket_bytes: the byte cap of one packed buffer.
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
 
     Returns:
-      This rank's blocks, ``[ceil(L / N), ...]`` per leaf, varying per rank.
+      This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in
+      hierarchical mode), varying per rank.
 
     Example:
       >>> def f(g):
@@ -789,9 +817,10 @@ def skip_psum_scatter(
     if rescale:
         n = checks.axis_size(axis_name, api=api)
         scale = n / (n - checks.check_num_skip(num_skip, n, api=api))
-    return _scatter(x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
-                    scale=scale, bucket_bytes=bucket_bytes,
-                    accumulate_dtype=accumulate_dtype, api=api)
+    return _scatter(x, axis_name, inner_axis=inner_axis, key=key,
+                    num_skip=num_skip, randomize=randomize, scale=scale,
+                    bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
+                    api=api)
 
 
 def scatter_contribution_mask(
@@ -801,6 +830,7 @@ def scatter_contribution_mask(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Any:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
@@ -813,6 +843,8 @@ def scatter_contribution_mask(
       key: as there.
       num_skip: as there.
       randomize: as there.
+      inner_axis: as there; the inner axis is summed in full, so a value is
+        summed when its outer rank's is.
       bucket_bytes: as there.
 
     Returns:
@@ -821,10 +853,11 @@ def scatter_contribution_mask(
     """
     api = "scatter_contribution_mask"
     plan, schedules, leaves = _scatter_plan(
-        x, axis_name, num_skip=num_skip, key=key, randomize=randomize,
-        bucket_bytes=bucket_bytes, api=api)
+        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
+        randomize=randomize, bucket_bytes=bucket_bytes, api=api)
     rank = lax.axis_index(axis_name)
-    per_block = {i: s.contributes(rank)
+    inner = plan.group_size // schedules[0].axis_size if schedules else 1
+    per_block = {i: jnp.repeat(s.contributes(rank), inner)  # outer block o * L + i
                  for (_, indices), s in zip(plan.buckets, schedules) for i in indices}
 
     def mask(i, leaf):

@@ -232,9 +232,11 @@ def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
         raise ValueError(
             f"{api}: argument {argnum} at {jax.tree_util.keystr(path) or 'the root'} "
             f"is sharded over {split} (spec {spec}), a data axis, but not along "
-            "its leading dimension first. Shard params over the data axis by "
-            f"rows (P({first!r}, ...): FSDP, each rank its block), over the other "
-            "mesh axes only, or replicate them over the data axis.")
+            f"its leading dimension first, over every data axis {axes}. Shard "
+            "params over the data axes by "
+            f"rows (P({first!r}, ...): FSDP, each rank its block; "
+            f"shard_params(params, mesh, {first!r})), over the other mesh axes "
+            "only, or replicate them over the data axes.")
 
 
 def _is_global(x: Any) -> bool:

@@ -26,6 +26,7 @@ steps queued, XLA's in-process collectives time out waiting for each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,7 +186,7 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def shard_params(params: Any, mesh: jax.sharding.Mesh,
-                 axis_name: str = "data") -> Any:
+                 axis_name: AxisNames = "data") -> Any:
     """Shards params over the data axis by rows: FSDP / ZeRO's layout.
 
     A leaf whose leading dimension divides by the axis size is split along
@@ -196,20 +197,27 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh,
     optimizer runs on each device's blocks. A leaf already sharded over
     other mesh axes keeps that layout on its other dimensions.
 
+    ``axis_name=(outer, inner)`` shards over both (``P((outer, inner))``,
+    1/(N L) per device) for hierarchical SkipReduce: ``skip_reduce(outer,
+    inner_axis=inner, params_sharded=True)`` reduce-scatters in full over
+    the fast inner axis and skips over the slow outer one.
+
     Example:
       >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
       >>> p["w"].sharding.spec, p["b"].sharding.spec
       (P('data',), P(None,))
     """
     axes = mesh_axes(mesh, axis_name, api="shard_params")
-    if len(axes) != 1:
+    if len(axes) > 2:
         raise ValueError(f"shard_params: axis_name={axis_name!r} must name one "
-                         "mesh axis.")
-    n = mesh.shape[axes[0]]
+                         "mesh axis, or two (outer, inner) for hierarchical "
+                         "SkipReduce.")
+    n = math.prod(mesh.shape[a] for a in axes)
+    spec = P(axes[0] if len(axes) == 1 else axes)
 
     def place(x):
         if np.ndim(x) and np.shape(x)[0] % n == 0:
-            return copy_to(x, NamedSharding(mesh, P(axes[0])))
+            return copy_to(x, NamedSharding(mesh, spec))
         return copy_to(x, replicated_sharding(x, mesh))
 
     return jax.tree_util.tree_map(place, params)
@@ -385,15 +393,20 @@ def make_train_step(
 
 
 def _gather_block(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """A param whole: gathered if it is this rank's block over the data axis."""
-    if axes[0] not in varying_axes(param):
+    """A param whole: gathered if it is this rank's block over the data axes.
+
+    Hierarchical FSDP blocks are those of ``P((outer, inner))``.
+    """
+    vary = varying_axes(param)
+    if axes[0] not in vary:
         return param
-    if len(axes) > 1:
+    if any(a not in vary for a in axes):
         raise ValueError(
             f"make_train_step: a param of local shape {param.shape} is sharded "
-            f"over {axes[0]!r} (FSDP), but axis_name={axes} is hierarchical. "
-            "Shard params over the data axis of a one-axis data mesh.")
-    return lax.all_gather(param, axes[0], tiled=True)
+            f"over {axes[0]!r} but not over every axis of axis_name={axes}. "
+            f"For FSDP with hierarchical SkipReduce shard it over all of them "
+            f"(shard_params(params, mesh, {axes})).")
+    return lax.all_gather(param, axes if len(axes) > 1 else axes[0], tiled=True)
 
 
 def _check_reduced(updates: Any, axes: tuple[str, ...], params: Any) -> None:

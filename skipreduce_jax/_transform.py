@@ -16,6 +16,7 @@ are not selected for skipping (``selective``), leaves smaller than
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import zlib
 from typing import Any, NamedTuple
@@ -186,6 +187,10 @@ def skip_reduce(
         block of the mean, from :func:`skip_psum_scatter`; other params keep
         the all-reduce. Selection (``min_size``) counts whole leaves, and
         error feedback keeps what was left out of the whole local gradient.
+        With ``inner_axis`` (FSDP over every device, the slow axis outer)
+        a sharded param is the 1/(N L) block of ``P((axis_name,
+        inner_axis))``: reduce-scattered in full over the inner axis, then
+        skipped over ``axis_name``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
@@ -318,7 +323,7 @@ def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],
 
 def _update(config: _Config, updates: Any, state: SkipReduceState,
             params: Any) -> tuple[Any, SkipReduceState]:
-    n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
+    n, inner = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
     num_skip = config.resolve_num_skip(n)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     check_local(leaves, config.axis_name, config.inner_axis, api=_API)
@@ -339,7 +344,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                   for g, r, s in zip(leaves, residuals, skippable)]
     # Params sharded over the data axis (FSDP) get this rank's block of the
     # mean (a reduce-scatter); the others the all-reduced mean.
-    scattered = _scattered(leaves, params, n, config)
+    scattered = _scattered(leaves, params, n * inner, config)
     picked = [g for g, s in zip(leaves, skippable) if s]
     picked_scattered = [c for c, s in zip(scattered, skippable) if s]
     # How params are sharded over the compiler's axes, where the training
@@ -372,7 +377,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         count = n - num_skip if config.normalize == "contributors" else n
         # fold_in: the all-reduce's buckets and these draw different keys.
         rs_kw = dict(kw, key=jax.random.fold_in(key, 1 << 30))
-        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / count,
+        rs_kw = dict(rs_kw, inner_axis=config.inner_axis)
+        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (count * inner),
                                accumulate_dtype=config.accumulate_dtype,
                                api=_API, **rs_kw)
         rs_left = None
@@ -443,15 +449,17 @@ def _gradient_shape(param: Any, config: _Config) -> tuple[int, ...]:
         return shape
     if not sharded or not shape:
         return shape
-    return (shape[0] * checks.axis_size(config.axis_name, api=_API),) + shape[1:]
+    n, inner = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
+    return (shape[0] * n * inner,) + shape[1:]
 
 
 def _scattered(leaves: list[jax.Array], params: Any, n: int,
                config: _Config) -> list[bool]:
     """Per leaf: is its param this rank's shard over the data axis (FSDP)?
 
-    A shard is a param of leading size L / N (typed varying over the data
-    axis under check_vma=True) whose gradient has leading size L.
+    A shard is a param of leading size L / n (typed varying over the data
+    axis under check_vma=True) whose gradient has leading size L; n is N,
+    or N times the inner axis size in hierarchical mode.
     """
     if not config.params_sharded:
         for g, p in zip(leaves, jax.tree_util.tree_leaves(params)):
@@ -475,15 +483,15 @@ def _scattered(leaves: list[jax.Array], params: Any, n: int,
         gs, ps = tuple(np.shape(g)), tuple(np.shape(p))
         flag = bool(gs) and gs != ps and ps == (gs[0] // n,) + gs[1:] and gs[0] % n == 0
         if gs != ps and not flag:
+            over = (repr(config.axis_name) if config.inner_axis is None else
+                    f"P(({config.axis_name!r}, {config.inner_axis!r})), "
+                    "FSDP over every device; a param sharded over one of the "
+                    "two data axes only is not supported")
             raise ValueError(
                 f"{_API}: a gradient of shape {gs} belongs to a param of shape "
                 f"{ps}: neither the same shape (replicated params) nor its "
                 f"1/{n} block along the leading axis (params sharded over "
-                f"{config.axis_name!r}, FSDP).")
-        if flag and config.inner_axis is not None:
-            raise ValueError(
-                f"{_API}: params sharded over {config.axis_name!r} (FSDP) do "
-                "not take inner_axis; shard them over the data axis only.")
+                f"{over}, FSDP).")
         flags.append(flag)
     return flags
 
@@ -498,8 +506,8 @@ def _full_mean(leaves: list[jax.Array], scattered: list[bool],
     wide = [g.astype(coll.summed_dtype(g.dtype, config.accumulate_dtype))
             for g in leaves]
     ar = lax.pmean([w for w, c in zip(wide, scattered) if not c], axes)
-    n = checks.axis_size(config.axis_name, api=_API) if any(scattered) else 1
-    rs = [lax.psum_scatter(w, config.axis_name, scatter_dimension=0, tiled=True) / n
+    n = math.prod(checks.axis_size(a, api=_API) for a in axes) if any(scattered) else 1
+    rs = [lax.psum_scatter(w, axes, scatter_dimension=0, tiled=True) / n
           for w, c in zip(wide, scattered) if c]
     return [m.astype(g.dtype) for m, g in zip(_merge(scattered, rs, ar), leaves)]
 

@@ -15,6 +15,28 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def xla_steps(loss: Callable[[Any, Any], Any], tx: Any, params: Any, batch: Any,
+              mesh: jax.sharding.Mesh, steps: int) -> Any:
+    """XLA's own step, ``steps`` times: plain ``jax.jit`` of grad and ``tx``.
+
+    ``params`` and ``batch`` are placed on ``mesh`` already; XLA inserts and
+    schedules every reduction itself. Returns the params.
+    """
+    import optax
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+
+        @jax.jit
+        def step(p, s):
+            updates, s = tx.update(jax.grad(loss)(p, batch), s, p)
+            return optax.apply_updates(p, updates), s
+
+        for _ in range(steps):
+            params, state = step(params, state)
+    return params
+
+
 def line_mesh(n: int, axis: str = "i") -> jax.sharding.Mesh:
     """A 1-D mesh over the first ``n`` devices."""
     return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])

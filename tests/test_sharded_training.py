@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import xla_steps
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -67,18 +68,8 @@ def test_num_skip_zero_equals_xlas_gspmd_step(name):
     # XLA's own step, plain GSPMD code (on Auto axes: under Explicit ones a
     # matmul over a sharded contraction needs an out_sharding in user code).
     ref_mesh, _, ref, _ = _setup(name, AxisType.Auto)
-    ref_tx = optax.adam(1e-2)
     xb = tuple(jax.device_put(a, NamedSharding(ref_mesh, P("replica"))) for a in batch)
-    with jax.set_mesh(ref_mesh):
-        ref_state = jax.jit(ref_tx.init)(ref)
-
-        @jax.jit
-        def ref_step(p, s):
-            updates, s = ref_tx.update(jax.grad(_loss)(p, xb), s, p)
-            return optax.apply_updates(p, updates), s
-
-        for _ in range(20):
-            ref, ref_state = ref_step(ref, ref_state)
+    ref = xla_steps(_loss, optax.adam(1e-2), ref, xb, ref_mesh, 20)
     for k in params:
         assert params[k].sharding.is_equivalent_to(  # layouts kept
             NamedSharding(mesh, specs[k]), params[k].ndim), k
