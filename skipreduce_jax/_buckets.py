@@ -204,15 +204,19 @@ class BlockPlan:
 
     def pack(self, leaves: Sequence[jax.Array], bucket: int) -> jax.Array:
         """The ``[N, M]`` buffer of one bucket."""
+        return concatenate_columns(self.columns(leaves, bucket))
+
+    def columns(self, leaves: Sequence[jax.Array], bucket: int) -> list[jax.Array]:
+        """The ``[N, m_i]`` columns of one bucket's buffer, one per leaf."""
         n = self.group_size
-        rows = []
+        columns = []
         for i in self.buckets[bucket][1]:
             leaf = jnp.asarray(leaves[i])
             pad = n * self.block_shape(i)[0] - leaf.shape[0]
             if pad:
                 leaf = jnp.pad(leaf, [(0, pad)] + [(0, 0)] * (leaf.ndim - 1))
-            rows.append(leaf.reshape(n, -1))
-        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+            columns.append(leaf.reshape(n, -1))
+        return columns
 
     def unpack(self, rows: Sequence[jax.Array], *,
                fill: Callable[[int], jax.Array]) -> Any:
@@ -229,6 +233,11 @@ class BlockPlan:
                 start += size
         return jax.tree_util.tree_unflatten(
             self.treedef, [fill(i) if b is None else b for i, b in enumerate(blocks)])
+
+
+def concatenate_columns(columns: Sequence[jax.Array]) -> jax.Array:
+    """``[N, m_i]`` columns side by side (no copy for one)."""
+    return columns[0] if len(columns) == 1 else jnp.concatenate(columns, axis=1)
 
 
 def plan_blocks(tree: Any, *, group_size: int,

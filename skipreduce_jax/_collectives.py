@@ -28,6 +28,7 @@ from skipreduce_jax._buckets import (
     DEFAULT_BUCKET_BYTES,
     BlockPlan,
     BucketPlan,
+    concatenate_columns,
     plan_blocks,
     plan_buckets,
 )
@@ -275,6 +276,35 @@ def _scatter_inner(buffer: jax.Array, inner_axis: str, inner: int) -> jax.Array:
         return lax.psum_scatter(buffer, inner_axis, tiled=True)
     rows = buffer.reshape(-1, _SCATTER_ROW)
     return lax.psum_scatter(rows, inner_axis, tiled=True).reshape(-1)
+
+
+def _scatter_column(column: jax.Array, n: int, inner_axis: str) -> jax.Array:
+    """One leaf's ``[N L, m]`` blocks reduce-scattered in full over the inner axis.
+
+    Device (o, i) keeps blocks ``o' L + i`` of every outer rank o': ``[N, m]``.
+    One scatter per leaf: XLA:TPU compiled that of a whole multi-leaf bucket
+    as an all-reduce (benchmarks/pods.md).
+    """
+    inner = column.shape[0] // n
+    by_inner = column.reshape(n, inner, -1).swapaxes(0, 1).reshape(inner, -1)
+    return _scatter_inner(by_inner.reshape(-1), inner_axis, inner).reshape(n, -1)
+
+
+def full_psum_scatter(x: jax.Array, axis_name: str, inner_axis: str | None
+                      ) -> jax.Array:
+    """``lax.psum_scatter`` over ``(axis_name, inner_axis)``, the inner first.
+
+    ``x``'s leading size divides by N L. Device (o, i) gets block
+    ``o * L + i``, as from one scatter over both axes, which XLA:TPU
+    compiled as an all-reduce within each slice (twice the bytes).
+    """
+    if inner_axis is None:
+        return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    n = checks.axis_size(axis_name, api="full_psum_scatter")
+    inner = checks.axis_size(inner_axis, api="full_psum_scatter")
+    rows = _scatter_column(x.reshape(n * inner, -1), n, inner_axis)
+    block = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)
+    return block.reshape((x.shape[0] // (n * inner),) + x.shape[1:])
 
 
 def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
@@ -731,14 +761,12 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
     rows = []
     for bucket, (dtype, _) in enumerate(plan.buckets):
         acc_dtype = summed_dtype(dtype, accumulate_dtype)
-        buffer = plan.pack(leaves, bucket)  # [N * L, M]
-        if inner_axis is not None:
-            # Fully over the fast axis first: device (o, i) keeps blocks
-            # o' * L + i for every o', then the skipped scatter over the slow one.
-            inner = buffer.shape[0] // n
-            by_inner = buffer.astype(acc_dtype).reshape(n, inner, -1).swapaxes(0, 1)
-            buffer = _scatter_inner(by_inner.reshape(-1), inner_axis,
-                                    inner).reshape(n, -1)
+        if inner_axis is None:
+            buffer = plan.pack(leaves, bucket)  # [N, M]
+        else:
+            buffer = concatenate_columns([
+                _scatter_column(c.astype(acc_dtype), n, inner_axis)
+                for c in plan.columns(leaves, bucket)])
         row = _ring.reduce_scatter_to_owners(
             buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype)
         if scale is not None:

@@ -507,7 +507,7 @@ def _full_mean(leaves: list[jax.Array], scattered: list[bool],
             for g in leaves]
     ar = lax.pmean([w for w, c in zip(wide, scattered) if not c], axes)
     n = math.prod(checks.axis_size(a, api=_API) for a in axes) if any(scattered) else 1
-    rs = [lax.psum_scatter(w, axes, scatter_dimension=0, tiled=True) / n
+    rs = [coll.full_psum_scatter(w, config.axis_name, config.inner_axis) / n
           for w, c in zip(wide, scattered) if c]
     return [m.astype(g.dtype) for m, g in zip(_merge(scattered, rs, ar), leaves)]
 
