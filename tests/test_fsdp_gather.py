@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_fsdp import _mlp as fsdp_mlp
+from test_fsdp import _mlp_loss
 
 import skipreduce_jax as sr
 from skipreduce_jax import _traffic
@@ -119,17 +121,9 @@ def test_per_leaf_gathers_the_params_again_in_the_backward_pass():
     assert gathered["per_leaf"] == pytest.approx(params_once + regathered)
 
 
-def _mlp_loss(p, batch):
-    x, y = batch
-    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
-
-
 def _mlp():
-    rng = np.random.default_rng(1)
-    params = {"w1": rng.normal(size=(16, 32)) * 0.3, "b1": np.zeros(32),
-              "w2": rng.normal(size=(32, 4)) * 0.3, "c": np.ones(3)}  # c: replicated
-    x = rng.normal(size=(64, 16)).astype(np.float32)
-    return {k: v.astype(np.float32) for k, v in params.items()}, (x, np.sin(x[:, :4]))
+    host, batch = fsdp_mlp()
+    return dict(host, c=np.ones(3, np.float32)), batch  # c: replicated (3 rows)
 
 
 def _loss_with_c(p, batch):
