@@ -84,11 +84,11 @@ def _model():
             (x, np.sin(x[:, :8])))
 
 
-def _train(tx, host, batch, steps):
+def _train(tx, host, batch, steps, gather="whole"):
     mesh = _mesh()
     params = sr.shard_params(host, mesh, AXES)
     opt_state = sr.init_opt_state(tx, params, mesh, AXES)
-    step = sr.make_train_step(_loss, tx, mesh, AXES)
+    step = sr.make_train_step(_loss, tx, mesh, AXES, gather=gather)
     batch = sr.shard_batch(batch, mesh, AXES)
     for _ in range(steps):
         params, opt_state, loss = step(params, opt_state, batch)
@@ -115,6 +115,17 @@ def test_num_skip_zero_trains_as_xlas_fsdp_step_over_both_axes():
     for k in host:
         np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_per_leaf_gathering_trains_the_same():
+    host, batch = _model()
+    tx = optax.chain(sr.skip_reduce("o", inner_axis="i", num_skip=2, min_size=0,
+                                    params_sharded=True), optax.adamw(1e-2))
+    whole = _train(tx, host, batch, 4)[0]
+    per_leaf = _train(tx, host, batch, 4, gather="per_leaf")[0]
+    for k in host:
+        np.testing.assert_allclose(np.asarray(per_leaf[k]), np.asarray(whole[k]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_random_traffic_is_the_formula():
