@@ -27,9 +27,12 @@ exactly ``lax.pmean``), ``bound`` (the information bound above),
 ``random`` (Random SkipReduce, the library's default sub-chunk granularity
 of about 256 elements), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
-``random+ef`` (error feedback) and ``random-sel`` (Random with the
+``random+ef`` (error feedback), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
-a full all-reduce). Every skipped variant uses ``min_size=0``: every leaf
+a full all-reduce), ``random-wW`` (W full all-reduce warm-up steps first),
+``random-wW-fv`` (the same, then AdamW's second moment frozen: 1-bit Adam's
+recipe without its compression) and ``all-reduce-fvW`` (the all-reduce with
+the second moment frozen after W steps: the control for ``-fv``). Every skipped variant uses ``min_size=0``: every leaf
 may be skipped.
 
 Workloads (``--workloads``):
@@ -78,7 +81,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -107,6 +110,12 @@ LABELS = {
     "random-sel": "Random, selective",
 }
 _CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
+# random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
+# frozen (1-bit Adam's recipe, without its compression).
+_WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
+# all-reduce-fvW: the all-reduce with the variance frozen after W steps (the
+# control: what freezing does without skipping).
+_FROZEN = re.compile(r"all-reduce-fv([1-9][0-9]*)$")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 NUM_CLASSES_MLP = 16
 
@@ -114,14 +123,25 @@ NUM_CLASSES_MLP = 16
 def label(variant: str) -> str:
     """The long name of a variant."""
     match = _CHUNKS.match(variant)
-    return f"Random, chunks_per_rank={match.group(1)}" if match else LABELS[variant]
+    if match:
+        return f"Random, chunks_per_rank={match.group(1)}"
+    match = _FROZEN.match(variant)
+    if match:
+        return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
+    match = _WARMUP.match(variant)
+    if match:
+        frozen = ", then AdamW's variance frozen" if match.group(2) else ""
+        return f"Random, {match.group(1)} all-reduce warm-up steps{frozen}"
+    return LABELS[variant]
 
 
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
-    if variant not in VARIANTS and not _CHUNKS.match(variant):
+    if variant not in VARIANTS and not any(
+            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
-                         f"{', '.join(VARIANTS)} or random-cK (K >= 1).")
+                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv] or "
+                         "all-reduce-fvW (K, W >= 1).")
     return variant
 
 
@@ -398,12 +418,14 @@ def make_workload(name: str, seed: int, steps: int, ranks: int) -> Workload:
 def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
                   selective: Any = None) -> dict[str, Any]:
     """The ``skip_reduce`` arguments of a variant (the bound is an all-reduce)."""
-    if variant in ("all-reduce", "bound"):
+    if variant in ("all-reduce", "bound") or _FROZEN.match(variant):
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
-    match = _CHUNKS.match(variant)
+    match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
     if match:
         kwargs["chunks_per_rank"] = int(match.group(1))
+    elif warmup:
+        kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
         kwargs["randomize"] = False
     elif variant == "random+ef":
@@ -415,6 +437,14 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
     elif variant != "random":
         check_variant(variant)
     return kwargs
+
+
+def freeze_steps(variant: str) -> int | None:
+    """After how many steps the variant freezes AdamW's variance (None: never)."""
+    frozen, warmup = _FROZEN.match(variant), _WARMUP.match(variant)
+    if frozen:
+        return int(frozen.group(1))
+    return int(warmup.group(1)) if warmup and warmup.group(2) else None
 
 
 def kept_per_rank(batch: int, ranks: int, skip_ratio: float) -> int:
@@ -434,11 +464,59 @@ def shrink_batches(arrays: Sequence[np.ndarray], ranks: int, batch: int,
     return tuple(out)
 
 
-def make_optimizer(name: str, lr: float, reducer: optax.GradientTransformation
-                   ) -> optax.GradientTransformation:
-    """``reducer`` first, then SGD with momentum 0.9 or AdamW."""
+class FrozenAdamState(NamedTuple):
+    """State of :func:`scale_by_frozen_adam`."""
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+
+
+def scale_by_frozen_adam(freeze_after: int, b1: float = 0.9, b2: float = 0.999,
+                         eps: float = 1e-8) -> optax.GradientTransformation:
+    """``optax.scale_by_adam`` whose second moment stops after ``freeze_after`` steps.
+
+    1-bit Adam's variance freezing (Tang et al., 2021): the second moment is
+    estimated during the full all-reduce warm-up only, so the noise of the
+    skipped steps cannot inflate it. Its bias correction stops with it.
+    """
+    def init_fn(params):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return FrozenAdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = state.count + 1
+        live = count <= freeze_after
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        nu = jax.tree_util.tree_map(lambda new, old: jnp.where(live, new, old),
+                                    optax.tree.update_moment_per_elem_norm(
+                                        updates, state.nu, b2, 2), state.nu)
+        t_nu = jnp.minimum(count, freeze_after).astype(jnp.float32)
+        out = jax.tree_util.tree_map(
+            lambda m, v: (m / (1 - b1 ** count)) / (jnp.sqrt(v / (1 - b2 ** t_nu)) + eps),
+            mu, nu)
+        return out, FrozenAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def make_optimizer(name: str, lr: float, reducer: optax.GradientTransformation,
+                   freeze_after: int | None = None) -> optax.GradientTransformation:
+    """``reducer`` first, then SGD with momentum 0.9 or AdamW.
+
+    ``freeze_after``: AdamW only; its second moment stops after that many
+    steps (:func:`scale_by_frozen_adam`).
+    """
     if name == "sgd":
+        if freeze_after is not None:
+            raise ValueError("freeze_after: AdamW only.")
         return optax.chain(reducer, optax.sgd(lr, momentum=0.9))
+    if name == "adamw" and freeze_after is not None:
+        # optax.adamw's chain, its scale_by_adam replaced.
+        return optax.chain(reducer, scale_by_frozen_adam(freeze_after),
+                           optax.add_decayed_weights(1e-4),
+                           optax.scale_by_learning_rate(lr))
     if name == "adamw":
         return optax.chain(reducer, optax.adamw(lr))
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
@@ -507,7 +585,8 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
     ranks = mesh.shape[AXIS]
     kwargs = reduce_kwargs(variant, skip_ratio, seed, work.selective)
     lr = work.lr[optimizer] if lr is None else lr
-    tx = make_optimizer(optimizer, lr, sr.skip_reduce(AXIS, **kwargs))
+    freeze_after = freeze_steps(variant)
+    tx = make_optimizer(optimizer, lr, sr.skip_reduce(AXIS, **kwargs), freeze_after)
     train, batch = work.train, work.batch_per_rank
     if variant == "bound":
         keep = kept_per_rank(batch, ranks, skip_ratio)

@@ -3,14 +3,15 @@
 Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 :func:`skip_psum`, :func:`skip_pmean` (and :func:`skip_pmean_and_left_out`,
 for error feedback), :func:`contribution_mask`.
-Optax: :func:`skip_reduce`. Training loops: :func:`make_train_step` and
-friends; your own step: :func:`data_parallel` (flax NNX:
+Optax: :func:`skip_reduce` (AdamW on it: :func:`skip_adamw`). Training
+loops: :func:`make_train_step` and friends; your own step: :func:`data_parallel` (flax NNX:
 ``skipreduce_jax.nnx``). Multi-process: :func:`initialize`,
 ``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
 ``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
 """
 
+from skipreduce_jax._adamw import skip_adamw as skip_adamw
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from skipreduce_jax._collectives import contribution_mask as contribution_mask
 from skipreduce_jax._collectives import ring_psum as ring_psum
@@ -25,6 +26,7 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
+from skipreduce_jax._norms import BatchNormWarning as BatchNormWarning
 from skipreduce_jax._parallel import PerRank as PerRank
 from skipreduce_jax._parallel import data_parallel as data_parallel
 from skipreduce_jax._parallel import rank_key as rank_key

@@ -32,6 +32,7 @@ from skipreduce_jax import _collectives as coll
 from skipreduce_jax import _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._norms import in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
 from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._selection import check_selective, skippable
@@ -192,6 +193,17 @@ def skip_reduce(
         inner_axis))``: reduce-scattered in full over the inner axis, then
         skipped over ``axis_name``.
 
+    BatchNorm: with batch statistics averaged over the data axis, a skipped
+    leaf that feeds a BatchNorm (the conv or dense layer before it)
+    random-walks along the norm's bias and scale directions, and evaluation
+    with the running statistics degrades. Give such leaves a full all-reduce
+    (``selective=exclude("Conv")``), or pass ``error_feedback=True``, or
+    normalize with each rank's own statistics. ``init`` warns
+    (:class:`BatchNormWarning`) when the params hold BatchNorm parameters
+    (a path containing ``BatchNorm``, as flax.linen names them; the layer
+    types with ``skipreduce_jax.nnx.init_optimizer``) and any other leaf may
+    be skipped without error feedback.
+
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
       :class:`SkipReduceState`.
@@ -216,6 +228,7 @@ def skip_reduce(
       Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
     """
     config = _make_config(**locals())  # checks every argument once
+    warned = []  # the BatchNorm warning, once per transformation
 
     def init_fn(params):
         key = jax.random.key_data(jax.random.key(config.seed))
@@ -232,6 +245,8 @@ def skip_reduce(
             residual = jax.tree_util.tree_unflatten(treedef, [
                 per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
                 for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
+        elif not warned and _warn_if_batchnorm(config, params):
+            warned.append(True)
         return SkipReduceState(jnp.zeros((), jnp.int32), key,
                                jnp.uint32(config.fingerprint()), residual)
 
@@ -300,6 +315,22 @@ def _make_config(
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, **flags)
+
+
+def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
+    """Warns if skipping may reach leaves feeding a BatchNorm; True if it did."""
+    try:
+        n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
+        skipping = config.resolve_num_skip(n) > 0
+    except (NameError, ValueError, TypeError):  # init outside shard_map
+        skipping = bool(config.num_skip) or bool(config.skip_ratio)
+    if not skipping or not any(in_batchnorm(params)):
+        return False
+    try:
+        flags = config.skippable(params, params)
+    except (ValueError, TypeError):  # e.g. masked params: update() will check
+        return False
+    return warn_if_batchnorm(params, flags, api=_API)
 
 
 def _axes(config: _Config) -> tuple[str, ...]:

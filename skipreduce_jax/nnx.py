@@ -21,7 +21,8 @@ step, data-parallel with SkipReduce::
     loss = step(model, optimizer, numpy_batch)      # model, optimizer updated
 
 Layers that compute batch statistics must reduce them over the data axis
-(``nnx.BatchNorm(..., axis_name="data")``), and metrics updated inside the
+(``nnx.BatchNorm(..., axis_name="data")``; then let no leaf that feeds one
+skip without error feedback: :func:`init_optimizer` warns), and metrics updated inside the
 step must see reduced values (``lax.pmean``, or ``lax.all_gather(...,
 tiled=True, to="invarying")`` for logits and labels): the step refuses
 state that still differs per rank, naming it. With a mesh from
@@ -42,6 +43,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
+from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import (
     AxisNames,
     as_tuple,
@@ -157,7 +159,11 @@ def init_optimizer(
     """
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
     params = nnx.state(model, wrt)
-    state = init_opt_state(tx, params, mesh, axis_name)
+    # skip_reduce's BatchNorm warning, from the layers' types, not their names.
+    norms = [path for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.BatchNorm) and node.axis_name is not None]
+    with batchnorm_modules(norms):
+        state = init_opt_state(tx, params, mesh, axis_name)
     optimizer.tx = tx
     # init_opt_state placed every leaf; flax's eager sharding would place the
     # new Variables again by the params' annotations, which need a mesh

@@ -269,6 +269,8 @@ def test_linen_train_state_error_feedback_keeps_replicas_identical():
     sr.assert_replicated((state.params, state.batch_stats), mesh)
 
 
+# The params cannot tell per-rank statistics apart: skip_reduce warns.
+@pytest.mark.filterwarnings("ignore::skipreduce_jax.BatchNormWarning")
 def test_linen_batchnorm_without_axis_name_names_the_path():
     TrainState, model, variables, batch = _linen_setup(None)
     mesh = jax.make_mesh((N,), ("data",))

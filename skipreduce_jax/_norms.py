@@ -1,0 +1,110 @@
+"""BatchNorm under skipping: which leaves belong to a norm, and the warning.
+
+With batch statistics averaged over the data axis, the loss does not change
+along a BatchNorm's input bias and scale, so the *summed* gradient of the
+leaves that feed it is zero there, while each rank's own gradient is not.
+Skipping part of that sum leaves a zero-mean residue with no restoring
+force: those leaves random-walk and the running statistics lag behind them
+(``benchmarks/convergence.md``). :func:`warn_if_batchnorm` says so once, at
+``init``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+# flax.linen names its modules BatchNorm_0, BatchNorm_1, ... (an NNX
+# attribute name says nothing about the layer's axis_name: its type decides).
+_BATCHNORM = re.compile(r"BatchNorm")
+
+# Set by skipreduce_jax.nnx.init_optimizer: the module paths of the model's
+# nnx.BatchNorm layers that average over an axis (None: not known, match names).
+_MODULE_PATHS: contextvars.ContextVar[tuple[tuple[Any, ...], ...] | None] = \
+    contextvars.ContextVar("skipreduce_batchnorm_paths", default=None)
+
+
+class BatchNormWarning(UserWarning):
+    """Skipping may reach leaves that feed a BatchNorm (see ``skip_reduce``)."""
+
+
+@contextlib.contextmanager
+def batchnorm_modules(paths: Sequence[tuple[Any, ...]]) -> Iterator[None]:
+    """Within the block, the BatchNorm layers are exactly those at ``paths``.
+
+    Args:
+      paths: module paths (tuples of attribute names and indices), e.g.
+        ``[("bn",), ("blocks", 0, "norm")]``; empty if the model has none
+        that averages over an axis.
+    """
+    token = _MODULE_PATHS.set(tuple(tuple(p) for p in paths))
+    try:
+        yield
+    finally:
+        _MODULE_PATHS.reset(token)
+
+
+def _keys(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A tree path as plain keys: dict keys, sequence indices, attribute names."""
+    out = []
+    for entry in path:
+        for name in ("key", "idx", "name"):
+            if hasattr(entry, name):
+                out.append(getattr(entry, name))
+                break
+    return tuple(out)
+
+
+def in_batchnorm(tree: Any) -> list[bool]:
+    """Per leaf of ``tree``: is it a parameter of a BatchNorm layer?"""
+    known = _MODULE_PATHS.get()
+    flags = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if known is None:
+            flags.append(bool(_BATCHNORM.search(jax.tree_util.keystr(path))))
+        else:
+            keys = _keys(path)
+            flags.append(any(keys[:len(p)] == p for p in known))
+    return flags
+
+
+def warn_if_batchnorm(tree: Any, skippable: Sequence[bool], *, api: str) -> bool:
+    """Warns if ``tree`` has BatchNorm leaves and any other leaf may be skipped.
+
+    Args:
+      tree: the params (or gradients).
+      skippable: one bool per leaf, True where skipping is allowed.
+      api: the function named in the message.
+
+    Returns:
+      Whether it warned.
+    """
+    norm = in_batchnorm(tree)
+    if not any(norm):
+        return False
+    paths = [jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    fed = [p for p, n, s in zip(paths, norm, skippable) if s and not n]
+    if not fed:
+        return False
+    example = next(p for p, n in zip(paths, norm) if n)
+    shown = ", ".join(fed[:3]) + (f" and {len(fed) - 3} more" if len(fed) > 3 else "")
+    warnings.warn(
+        f"{api}: the params hold BatchNorm parameters ({example}) and may skip "
+        f"{shown} without error feedback. If a BatchNorm averages its batch "
+        "statistics over the data axis (axis_name=...), the skipped leaves that "
+        "feed it random-walk (their summed gradient is zero along its bias and "
+        "scale) and evaluation with the running statistics degrades. Pass "
+        "error_feedback=True, or selective=skipreduce_jax.exclude(...) naming "
+        "the layers that feed a BatchNorm, or use per-rank statistics "
+        "(BatchNorm without axis_name). If no skipped leaf feeds a BatchNorm, "
+        "silence this with warnings.filterwarnings('ignore', "
+        "category=skipreduce_jax.BatchNormWarning).",
+        BatchNormWarning, stacklevel=3)
+    return True

@@ -1,0 +1,99 @@
+"""skip_reduce's BatchNorm warning: raised when skipping reaches the leaves
+that feed a BatchNorm without error feedback, and only then."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import skipreduce_jax as sr
+
+N = 8
+
+
+def _linen_params():
+    # flax.linen's names: Conv_0 feeds BatchNorm_0.
+    return {"params": {
+        "Conv_0": {"kernel": jnp.zeros((3, 3, 1, 8)), "bias": jnp.zeros(8)},
+        "BatchNorm_0": {"scale": jnp.ones(8), "bias": jnp.zeros(8)},
+        "Dense_0": {"kernel": jnp.zeros((8, 10))}}}
+
+
+def _no_warning(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sr.BatchNormWarning)
+        return fn()
+
+
+def test_warns_when_leaves_beside_a_batchnorm_may_skip():
+    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0)
+    with pytest.warns(sr.BatchNormWarning,
+                      match=r"(?s)BatchNorm_0.*Conv_0'\]\['bias'\].*error_feedback=True"):
+        tx.init(_linen_params())
+
+
+def test_warns_once_inside_init_opt_state():
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=4, min_size=0), optax.sgd(0.1))
+    with pytest.warns(sr.BatchNormWarning) as record:
+        sr.init_opt_state(tx, sr.replicate(_linen_params(), mesh), mesh, "data")
+    assert sum(issubclass(r.category, sr.BatchNormWarning) for r in record) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(skip_ratio=0.5, min_size=0, selective=sr.exclude("Conv", "Dense")),
+    dict(skip_ratio=0.5),                      # min_size: every leaf is small
+    dict(num_skip=0, min_size=0),              # no skipping
+    dict(skip_ratio=0.0, min_size=0),
+    dict(skip_ratio=0.5, min_size=0, warmup_steps=0,
+         selective=sr.by_path(lambda path, leaf: "BatchNorm" in path)),
+])
+def test_no_warning_when_nothing_that_feeds_a_norm_skips(kwargs):
+    _no_warning(lambda: sr.skip_reduce("data", **kwargs).init(_linen_params()))
+
+
+def test_no_warning_with_error_feedback_or_without_batchnorm():
+    mesh = jax.make_mesh((N,), ("data",))
+    params = sr.replicate(_linen_params(), mesh)
+    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0, error_feedback=True)
+    _no_warning(lambda: sr.init_opt_state(tx, params, mesh, "data"))
+    plain = {"params": {k: v for k, v in _linen_params()["params"].items()
+                        if k != "BatchNorm_0"}}
+    _no_warning(lambda: sr.skip_reduce("data", skip_ratio=0.5, min_size=0).init(plain))
+
+
+def test_a_ratio_that_rounds_to_no_skip_does_not_warn():
+    # 0.05 of 7 steps rounds to k = 0 once the axis size is known.
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = sr.skip_reduce("data", skip_ratio=0.05, min_size=0)
+    _no_warning(lambda: sr.init_opt_state(tx, sr.replicate(_linen_params(), mesh),
+                                          mesh, "data"))
+
+
+nnx = pytest.importorskip("flax.nnx")
+srnnx = pytest.importorskip("skipreduce_jax.nnx")
+
+
+class _Net(nnx.Module):
+    # Attribute names that say nothing: only the layer type tells.
+    def __init__(self, axis_name, rngs):
+        self.a = nnx.Linear(4, 8, rngs=rngs)
+        self.b = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
+
+
+@pytest.mark.parametrize("axis_name", ["data", None])
+def test_nnx_init_optimizer_finds_batchnorm_by_type(axis_name):
+    mesh = jax.make_mesh((N,), ("data",))
+    model = _Net(axis_name, nnx.Rngs(0))
+    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0), optax.sgd(0.1))
+    if axis_name is None:  # per-rank statistics: nothing drifts
+        _no_warning(lambda: srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param))
+    else:
+        with pytest.warns(sr.BatchNormWarning, match=r"\['b'\].*\['a'\]\['bias'\]"):
+            srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param)
+    # Fully reducing the layer that feeds it silences it.
+    quiet = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0,
+                                       selective=sr.exclude(r"\['a'\]")), optax.sgd(0.1))
+    _no_warning(lambda: srnnx.init_optimizer(model, quiet, mesh, "data", wrt=nnx.Param))
