@@ -32,8 +32,8 @@ workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
 a full all-reduce), ``random-wW`` (W full all-reduce warm-up steps first),
 ``random-wW-fv`` (the same, then AdamW's second moment frozen: 1-bit Adam's
 recipe without its compression) and ``all-reduce-fvW`` (the all-reduce with
-the second moment frozen after W steps: the control for ``-fv``). Every skipped variant uses ``min_size=0``: every leaf
-may be skipped.
+the second moment frozen after W steps: the control for ``-fv``). Every
+skipped variant uses ``min_size=0``: every leaf may be skipped.
 
 Workloads (``--workloads``):
 

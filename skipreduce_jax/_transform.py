@@ -201,8 +201,8 @@ def skip_reduce(
     normalize with each rank's own statistics. ``init`` warns
     (:class:`BatchNormWarning`) when the params hold BatchNorm parameters
     (a path containing ``BatchNorm``, as flax.linen names them; the layer
-    types with ``skipreduce_jax.nnx.init_optimizer``) and any other leaf may
-    be skipped without error feedback.
+    types with ``skipreduce_jax.nnx.init_optimizer``), ``selective`` is left
+    at its default and any other leaf may be skipped without error feedback.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
@@ -324,7 +324,8 @@ def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
         skipping = config.resolve_num_skip(n) > 0
     except (NameError, ValueError, TypeError):  # init outside shard_map
         skipping = bool(config.num_skip) or bool(config.skip_ratio)
-    if not skipping or not any(in_batchnorm(params)):
+    # An explicit selective is the user's choice of what skips.
+    if not skipping or config.selective is not None or not any(in_batchnorm(params)):
         return False
     try:
         flags = config.skippable(params, params)

@@ -97,8 +97,8 @@ def test_nnx_random_skipping_with_error_feedback_keeps_replicas_identical(digits
     assert first.shape == (N, 128, 128)
     assert np.abs(first).max() > 0 and not np.array_equal(first[0], first[1])  # per rank
     assert not np.array_equal(first, last)                                     # it moves
-    # BatchNorm and the first conv are fully reduced: they keep no residual.
-    for name in ("bn1", "bn2", "conv1"):
+    # BatchNorm and the convs are fully reduced: they keep no residual.
+    for name in ("bn1", "bn2", "conv1", "conv2"):
         for leaf in jax.tree_util.tree_leaves(residuals[-1][name]):
             assert np.size(leaf) == 0, name
 
