@@ -647,20 +647,27 @@ def markdown(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+# --pod name: (table name, mesh, k).
+PODS = {
+    "gpu-1x8": ("1 x 8 H100", lambda: gpu_mesh(1, 8), 4),
+    "gpu-2x8": ("2 x 8 H100", lambda: gpu_mesh(2, 8), 1),
+    "tpu-4x16": ("4 x v5e:4x4", lambda: tpu_mesh(4), 2),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--per-device", type=int, default=64)
     parser.add_argument("--only", choices=("gpu", "tpu"), default=None)
+    parser.add_argument("--pod", choices=tuple(PODS), default=None,
+                        help="compile one pod's rows only")
     args = parser.parse_args(argv)
     model = dict(width=args.width, layers=args.layers, per_device=args.per_device)
-    configs = []
-    if args.only != "tpu":
-        configs += [("1 x 8 H100", lambda: gpu_mesh(1, 8), 4),
-                    ("2 x 8 H100", lambda: gpu_mesh(2, 8), 1)]
-    if args.only != "gpu":
-        configs += [("4 x v5e:4x4", lambda: tpu_mesh(4), 2)]
+    configs = [(name, make, k) for key, (name, make, k) in PODS.items()
+               if (args.pod or key) == key
+               and (args.only is None or key.startswith(args.only))]
     rows = [s.row() for name, make, k in configs for s in study(name, make(), k, **model)]
     print(markdown(rows))
 

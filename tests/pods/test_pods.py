@@ -252,3 +252,21 @@ def test_fsdp_step_over_the_slow_axis_sends_the_formula(platform, k):
     assert _slow_gathers(xla) >= 0.99 * gather
     assert pods.slow_bytes(xla) >= 0.99 * (gather + _traffic.reduce_scatter_bytes(whole, n))
     assert pods.slow_bytes(found) <= pods.slow_bytes(xla) - 0.99 * k / n * whole
+
+
+def test_flat_step_runs_every_weight_gradient_matmul_under_a_collective():
+    """Flat SkipReduce on 1 x 8 H100s, one 16 MiB bucket per weight.
+
+    XLA runs the dX matmuls first, then hides each dW matmul under a ring
+    step of another bucket (benchmarks/pods.md, "the schedule"); combining
+    the buckets' collectives into one would leave none hidden.
+    """
+    mesh = pods.gpu_mesh(1, 8)
+    layers = 4
+    skip = pods.compile_skipreduce_step(mesh, 4, width=2048, layers=layers,
+                                        per_device=64, min_size=0)
+    schedule = pods.schedule("1 x 8 H100", "SkipReduce", skip, mesh)
+    hidden = {i.name for c in schedule.collectives if c.asynchronous and not c.is_sync
+              for i in c.overlap if i.matmul and i.phase == "backward"}
+    assert schedule.backward_matmuls == 2 * layers - 1
+    assert len(hidden) >= layers
