@@ -1,21 +1,43 @@
-r"""Time to accuracy: SkipReduce against top-k and PowerSGD on a wide MLP.
+r"""Time to accuracy: SkipReduce against top-k and PowerSGD, communication-bound.
 
-A communication-bound workload: an MLP on scikit-learn's digits (64 inputs,
-10 classes; by default each image also shifted by one pixel in every
-direction, ``--shift``, see :func:`load_data`) with wide hidden layers
-(2 x 2048 by default: 4.3 M parameters, 17 MB of float32 gradients) and a
-small per-rank batch, so each step does little arithmetic per gradient byte.
+Two workloads (``--workload``), each with little arithmetic per gradient byte:
+
+* ``mlp`` (the default): an MLP on scikit-learn's digits (64 inputs, 10
+  classes; by default each image also shifted by one pixel in every
+  direction, ``--shift``, see :func:`load_data`) with wide hidden layers
+  (2 x 2048 by default: 4.3 M parameters, 17 MB of float32 gradients) and a
+  small per-rank batch (16). Scored by test accuracy and test loss.
+* ``lm``: the byte-level transformer of ``examples/train_lm.py`` (tied
+  embeddings, pre-LayerNorm blocks) on Python standard-library source,
+  ``--d-model`` 256, ``--layers`` 2 blocks, ``--heads`` 4, ``--seq-len`` 64,
+  4 sequences (256 tokens) per rank, AdamW at lr 1e-3: 1,661,952
+  parameters, 6.65 MB of float32 gradients, so a ring all-reduce sends
+  9.97 MB per device per step on 4 ranks (160 ms at 500 Mbit/s, against a
+  forward and backward pass of about 2.5 GFLOP per rank). ``skip_adamw``
+  sends 0.711 of that (it skips the qkv, fc and out kernels, 87% of the
+  parameters), ``random`` 0.667, ``topk`` 0.040, ``powersgd`` 0.026. Scored
+  by validation loss (nats per byte, on 128 fixed windows of held-out files)
+  and token accuracy; the time to target is that to the all-reduce's final
+  validation loss only (next-byte accuracy is reported, not timed: it
+  moves too little to time).
+
 One model (same initialization, same batches) is trained for
-``--time-budget`` seconds of training time with SGD with momentum 0.9 (or
-Adam: ``--optimizer``; with Adam, Random SkipReduce needs more steps, see
-``benchmarks/README.md``) after each gradient reduction:
+``--time-budget`` seconds of training time with SGD with momentum 0.9 (the
+``mlp``'s default), Adam, or AdamW (the ``lm``'s default; ``--optimizer``;
+with Adam, Random SkipReduce needs more steps, see ``benchmarks/README.md``)
+after each gradient reduction:
 
 * ``all-reduce``: the baseline, ``skip_reduce(num_skip=0)`` (exactly
   ``lax.pmean``);
+* ``skip_adamw`` (needs ``--optimizer adamw``): ``skipreduce_jax.skip_adamw``
+  with its defaults (30 full all-reduce steps first, leaves under 100k
+  elements fully reduced) at ``--skip-ratio``, with the workload's
+  ``selective`` rule: the ``lm``'s embeddings (``train_lm.EMBED_PATTERN``)
+  are always fully reduced, the ``mlp``'s first layer;
 * ``random``: Random SkipReduce, ``--skip-ratio`` (50%) of the N - 1
-  reduce-scatter steps skipped;
-* ``selective``: the same, with the first layer and every leaf under 100k
-  elements fully reduced;
+  reduce-scatter steps skipped, on every leaf;
+* ``selective``: the same, with the workload's ``selective`` rule and every
+  leaf under 100k elements fully reduced;
 * ``random+ef``: Random SkipReduce with error feedback;
 * ``topk``: top-k sparsification (``--density``, 1%) with error memory;
 * ``powersgd``: rank-``--rank`` (4) PowerSGD with error feedback, after
@@ -25,25 +47,33 @@ Adam: ``--optimizer``; with Adam, Random SkipReduce needs more steps, see
   shows what randomization costs in a step and what its bias costs in
   accuracy.
 
-The test accuracy is measured every ``--eval-every`` seconds of training
+Without ``--variants`` the ``mlp`` runs all but ``static`` and
+``skip_adamw``; the ``lm`` runs ``all-reduce``, ``skip_adamw``, ``random``,
+``topk`` and ``powersgd``.
+
+The held-out metrics are measured every ``--eval-every`` seconds of training
 time. The training clock stops during evaluations, and every step function
 is compiled and run twice before its clock starts. One evaluation moves by a
-test sample or two, so accuracies are smoothed: a mean over ``--smooth`` (3)
+test sample or two, so the curves are smoothed: a mean over ``--smooth`` (3)
 consecutive evaluations, placed at their mean time and step, for every curve
 alike; a target's crossing is interpolated between two such points. The
 script reports, per
-variant, the time to reach the baseline's (smoothed) final accuracy and the
+variant, the time to reach the baseline's (smoothed) final accuracy (``mlp``
+only) and the
 speedup over the baseline's own time to it, the same for the baseline's final
 test loss (smoother than accuracy) with the steps it took to reach it (how
 many more steps a reduction needs: its cost in convergence), the final (raw
-and smoothed) and best accuracy, and the bytes each device sends per step,
+and smoothed) and best accuracy (``mlp``) or loss (``lm``), and the bytes
+each device sends per step,
 twice: from the compiled program (``skipreduce_jax.collective_traffic``, the
 ring formulas applied to every collective of the jitted step, minus the
-step's own 8-byte loss/clock all-reduce; PowerSGD's is compiled without
-warm-up so that only the compressed path is counted) and from the formulas
+step's own 8-byte loss/clock all-reduce; PowerSGD's and ``skip_adamw``'s
+are compiled without warm-up so that only the compressed path is counted) and
+from the formulas
 (``skipreduce_jax.comm_stats``, ``skipreduce_jax.contrib.topk_comm_bytes``,
 ``skipreduce_jax.contrib.powersgd_comm_bytes``). Process 0 prints the table
-and writes ``<name>.json`` and ``<name>.png`` (accuracy against training
+and writes ``<name>.json`` and ``<name>.png`` (accuracy, or the ``lm``'s
+validation loss, against training
 time) to ``--out``. With ``--parts ROUNDS`` nothing is trained: each variant's whole
 step and its reduction alone are timed instead (:func:`time_parts`), and
 ``<name>.json`` holds the medians.
@@ -61,7 +91,7 @@ Two modes:
   ``python -m skipreduce_jax.launch`` or another runner, for example::
 
       python -m skipreduce_jax.launch -n 4 benchmarks/time_to_accuracy.py \
-          --time-budget 60
+          --time-budget 60 [--workload lm]
 
   Every process runs the same arguments and the same steps; when to
   evaluate and when to stop is decided from the training clock averaged over
@@ -75,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -103,10 +134,21 @@ AXIS = "data"
 NUM_CLASSES = 10
 #: The order variants run in (``all-reduce`` first: its final accuracy is the
 #: target of the others).
-ALL_VARIANTS = ("all-reduce", "random", "static", "selective", "random+ef", "topk",
-                "powersgd")
-#: What runs without ``--variants``.
-DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "static")
+ALL_VARIANTS = ("all-reduce", "skip_adamw", "random", "static", "selective",
+                "random+ef", "topk", "powersgd")
+#: What runs without ``--variants`` (the ``mlp``'s).
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("static", "skip_adamw"))
+#: The ``lm``'s default variants.
+LM_VARIANTS = ("all-reduce", "skip_adamw", "random", "topk", "powersgd")
+#: ``--optimizer`` choices and their default learning rates (the ``mlp``'s).
+DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.02}
+#: The ``lm``'s default learning rates.
+LM_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.3}
+#: ``skip_adamw``'s own defaults, read from its signature so they stay its own.
+SKIP_ADAMW_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(sr.skip_adamw).parameters.items()
+    if name in ("min_size", "warmup_steps")}
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _STATS_BYTES = 8  # the step's float32 [loss, clock] all-reduce
 
@@ -194,12 +236,17 @@ class Variant:
       formula_bytes: ``(param shapes, N) -> bytes per device per step``.
       accounting: ``() -> transform`` whose compiled step is read for the
         bytes (``make`` unless its warm-up branch should not be counted).
+      whole: ``(steady) -> transform``: the reduction and its optimizer as one
+        transform (``skip_adamw``; ``steady``: without the warm-up, as
+        ``accounting``), or None: ``make`` then ``--optimizer``
+        (:func:`training_transform`).
     """
 
     name: str
     make: Callable[[], optax.GradientTransformation]
     formula_bytes: Callable[[Any, int], float]
     accounting: Callable[[], optax.GradientTransformation]
+    whole: Callable[[bool], optax.GradientTransformation] | None = None
 
 
 def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -214,15 +261,27 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
         return make, formula, make
 
     ratio = args.skip_ratio
+    selective = sr.exclude(WORKLOADS[args.workload].selective)
+    # skip_adamw's reduction, then the same in the steady state.
+    adamw_kw = dict(skip_ratio=ratio, seed=args.seed, selective=selective)
+    adamw_reduce = dict(adamw_kw, **SKIP_ADAMW_DEFAULTS)
+    adamw_steady = dict(adamw_reduce, warmup_steps=0)
     topk_kw = dict(density=args.density)
     psgd_kw = dict(rank=args.rank, warmup_steps=args.powersgd_warmup,
                    seed=args.seed)
     topk_make = lambda: contrib.topk_reduce(AXIS, **topk_kw)  # noqa: E731
     specs = {
         "all-reduce": skip(num_skip=0, min_size=0),
+        # skip_adamw takes no bucket_bytes: the package's default.
+        "skip_adamw": (
+            lambda: sr.skip_reduce(AXIS, **adamw_reduce),
+            lambda shapes, n: sr.comm_stats(shapes, n, **adamw_reduce).bytes_per_device,
+            lambda: sr.skip_reduce(AXIS, **adamw_steady),
+            lambda steady: sr.skip_adamw(
+                args.lr, axis_name=AXIS, **(adamw_steady if steady else adamw_kw))),
         "random": skip(skip_ratio=ratio, min_size=0),
         "static": skip(skip_ratio=ratio, min_size=0, randomize=False),
-        "selective": skip(skip_ratio=ratio, selective=sr.exclude("Dense_0")),
+        "selective": skip(skip_ratio=ratio, selective=selective),
         "random+ef": skip(skip_ratio=ratio, min_size=0, error_feedback=True),
         "topk": (topk_make,
                  lambda shapes, n: contrib.topk_comm_bytes(shapes, n, **topk_kw),
@@ -304,12 +363,143 @@ def make_step(loss_fn: Callable[[Any, Any], jax.Array],
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def scores(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Accuracy and mean softmax cross-entropy of integer ``labels``."""
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels).mean()
+    return jnp.mean(jnp.argmax(logits, -1) == labels), loss
+
+
 def cross_entropy(model: nn.Module, params: Any,
                   batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Mean softmax cross-entropy on ``(images, labels)``."""
     logits = model.apply(params, batch[0])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, batch[1]).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model and its data: what :class:`Trainer` trains and scores.
+
+    Attributes:
+      title: the model and data in a few words (the log and the plot).
+      params: host initial parameters.
+      loss: ``(params, batch) -> loss`` on one rank's batch (a tuple of
+        arrays).
+      metrics: ``(params, *held_out) -> (accuracy, loss)``, jittable.
+      held_out: host arrays of the test (or validation) set.
+      sample: ``(t, rows) -> tuple of host arrays``: step t's global batch,
+        ``rows`` rows, the same for every variant and process.
+    """
+
+    title: str
+    params: Any
+    loss: Callable[[Any, Any], jax.Array]
+    metrics: Callable[..., tuple[jax.Array, jax.Array]]
+    held_out: tuple[np.ndarray, ...]
+    sample: Callable[[int, int], tuple[np.ndarray, ...]]
+
+
+def mlp_workload(args: argparse.Namespace) -> Workload:
+    """``--hidden`` x ``--layers`` MLP on the digits (``--shift``)."""
+    data = load_data(args.seed, args.shift)
+    model = MLP(tuple([args.hidden] * args.layers))
+    params = model.init(jax.random.key(args.seed), data.x_train[:1])
+
+    def sample(t: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng((args.seed, t))
+        idx = rng.integers(0, len(data.y_train), size=rows)
+        return data.x_train[idx], data.y_train[idx]
+
+    widths = "-".join([str(args.hidden)] * args.layers)
+    return Workload(f"MLP 64-{widths}-10 on digits", params,
+                    lambda p, b: cross_entropy(model, p, b),
+                    lambda p, x, y: scores(model.apply(p, x), y),
+                    (data.x_test, data.y_test), sample)
+
+
+#: The ``lm``'s training and validation text (bytes) and validation windows.
+LM_TRAIN_BYTES, LM_VAL_BYTES, LM_VAL_WINDOWS = 2**21, 2**17, 128
+
+
+def import_train_lm() -> Any:
+    """``examples/train_lm.py`` as a module, without its device-count flag.
+
+    Importing it asks XLA for 8 CPU devices unless ``XLA_FLAGS`` already
+    sets a count; this script sets its own (``--devices``, or one per host),
+    and a flag left behind would reach the processes it starts.
+    """
+    examples = str(ROOT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    flags = os.environ.get("XLA_FLAGS")
+    try:
+        import train_lm
+    finally:
+        if flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags
+    return train_lm
+
+
+def lm_workload(args: argparse.Namespace) -> Workload:
+    """``train_lm``'s byte transformer (``--d-model``, ``--layers``, ``--heads``, ``--seq-len``)."""
+    train_lm = import_train_lm()
+    corpus = train_lm.load_corpus(LM_TRAIN_BYTES, LM_VAL_BYTES)
+    model = train_lm.ByteTransformer(args.d_model, args.layers, args.heads,
+                                     args.seq_len)
+    params = jax.jit(model.init)(jax.random.key(args.seed),
+                                 jnp.zeros((1, args.seq_len), jnp.int32))
+
+    def sample(t: int, rows: int) -> tuple[np.ndarray]:
+        # One batch of train_lm's sampler seeded by (seed, t): any step alone.
+        return (next(train_lm.train_batches(corpus.train, 1, rows, args.seq_len,
+                                            (args.seed, t))),)
+
+    def metrics(p: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return scores(model.apply(p, tokens[:, :-1]), tokens[:, 1:])
+
+    val = train_lm.val_windows(corpus.val, args.seq_len, LM_VAL_WINDOWS, 1)
+    return Workload(
+        f"byte transformer {args.layers} x d{args.d_model}, {args.seq_len}-byte "
+        "sequences of Python source", params,
+        lambda p, b: train_lm.lm_loss(model, p, b[0]), metrics, (val,), sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What a workload changes in the command line's defaults and the scoring.
+
+    Attributes:
+      build: ``args -> Workload``.
+      batch_per_rank: ``--batch-per-rank``.
+      optimizer: ``--optimizer``.
+      lr: ``--lr`` per optimizer.
+      variants: ``--variants``.
+      targets: the held-out metrics with a time to target (``"acc"``,
+        ``"loss"``), the first one plotted.
+      selective: the pattern (``skipreduce_jax.exclude``) of the leaves that
+        ``selective`` and ``skip_adamw`` always fully reduce.
+    """
+
+    build: Callable[[argparse.Namespace], Workload]
+    batch_per_rank: int
+    optimizer: str
+    lr: dict[str, float]
+    variants: tuple[str, ...]
+    targets: tuple[str, ...]
+    selective: str
+
+
+#: ``--workload`` choices.
+WORKLOADS = {
+    "mlp": Defaults(mlp_workload, 16, "sgd", DEFAULT_LR, DEFAULT_VARIANTS,
+                    ("acc", "loss"), "Dense_0"),
+    # "embed": train_lm.EMBED_PATTERN, the token and positional embeddings.
+    "lm": Defaults(lm_workload, 4, "adamw", LM_LR, LM_VARIANTS, ("loss",), "embed"),
+}
 
 
 class Trainer:
@@ -319,43 +509,28 @@ class Trainer:
         self.args = args
         self.mesh = mesh
         self.n = mesh.shape[AXIS]
-        self.data = load_data(args.seed, args.shift)
-        self.model = MLP(tuple([args.hidden] * args.layers))
-        params = self.model.init(jax.random.key(args.seed),
-                                 self.data.x_train[:1])
-        self.params0 = jax.tree_util.tree_map(np.asarray, params)
+        self.workload = WORKLOADS[args.workload].build(args)
+        self.params0 = jax.tree_util.tree_map(np.asarray, self.workload.params)
         self.shapes = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params0)
-        self.loss_fn = lambda p, b: cross_entropy(self.model, p, b)
+        self.loss_fn = self.workload.loss
         self.eval_device = next(d for d in mesh.devices.flat
                                 if d.process_index == jax.process_index())
-        self.x_test = jax.device_put(self.data.x_test, self.eval_device)
-        self.y_test = jax.device_put(self.data.y_test, self.eval_device)
-        model = self.model
-
-        @jax.jit
-        def metrics(params, x, y):
-            logits = model.apply(params, x)
-            loss = optax.softmax_cross_entropy_with_integer_labels(
-                logits, y).mean()
-            return jnp.mean(jnp.argmax(logits, -1) == y), loss
-
-        self._metrics = metrics
+        self.held_out = tuple(jax.device_put(a, self.eval_device)
+                              for a in self.workload.held_out)
+        self._metrics = jax.jit(self.workload.metrics)
 
     @property
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree_util.tree_leaves(self.params0))
 
-    def batch(self, t: int) -> tuple[jax.Array, jax.Array]:
+    def batch(self, t: int) -> tuple[jax.Array, ...]:
         """Step t's global batch, the same for every variant and process.
 
         Rank r's rows are ``[r*B, (r+1)*B)``.
         """
-        rng = np.random.default_rng((self.args.seed, t))
-        idx = rng.integers(0, len(self.data.y_train),
-                           size=self.n * self.args.batch_per_rank)
-        return (global_array(self.data.x_train[idx], self.mesh, P(AXIS)),
-                global_array(self.data.y_train[idx], self.mesh, P(AXIS)))
+        rows = self.workload.sample(t, self.n * self.args.batch_per_rank)
+        return tuple(global_array(a, self.mesh, P(AXIS)) for a in rows)
 
     def clock(self, seconds: float) -> jax.Array:
         """This process's training time, one entry per rank."""
@@ -370,7 +545,7 @@ class Trainer:
     def evaluate(self, params: Any) -> tuple[float, float]:
         """Test accuracy and loss of this process's replica."""
         acc, loss = self._metrics(replicated_copy(params, self.eval_device),
-                                  self.x_test, self.y_test)
+                                  *self.held_out)
         return float(acc), float(loss)
 
     def compiled_step(self, tx: optax.GradientTransformation) -> Any:
@@ -387,28 +562,34 @@ class Trainer:
             compiled.as_text()).bytes_per_device() - stats
 
 
-#: ``--optimizer`` choices and their default learning rates.
-DEFAULT_LR = {"adam": 1e-3, "sgd": 0.02}
-
-
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
-    """The optimizer after the reduction: Adam, or SGD with momentum 0.9."""
+    """The optimizer after the reduction: Adam, AdamW (optax defaults) or SGD, momentum 0.9."""
     if args.optimizer == "adam":
         return optax.adam(args.lr)
+    if args.optimizer == "adamw":
+        return optax.adamw(args.lr)
     return optax.sgd(args.lr, momentum=0.9)
+
+
+def training_transform(variant: Variant, args: argparse.Namespace,
+                       steady: bool = False) -> optax.GradientTransformation:
+    """The variant's reduction and the optimizer (``steady``: as accounted, no warm-up)."""
+    if variant.whole is not None:
+        return variant.whole(steady)
+    reduction = variant.accounting if steady else variant.make
+    return optax.chain(reduction(), make_optimizer(args))
 
 
 def run_variant(trainer: Trainer, variant: Variant,
                 log: Callable[[str], None]) -> dict[str, Any]:
     """Trains with one variant for the time budget; returns its record."""
     args = trainer.args
-    tx = optax.chain(variant.make(), make_optimizer(args))
+    tx = training_transform(variant, args)
     start = time.perf_counter()
     compiled = trainer.compiled_step(tx)
     compile_s = time.perf_counter() - start
     accounting = compiled if variant.accounting is variant.make else \
-        trainer.compiled_step(optax.chain(variant.accounting(),
-                                          make_optimizer(args)))
+        trainer.compiled_step(training_transform(variant, args, steady=True))
     hlo_bytes = trainer.hlo_bytes(accounting)
 
     # Warm up (caches, allocations, the evaluation's compilation), then start
@@ -453,11 +634,12 @@ def run_variant(trainer: Trainer, variant: Variant,
         if done:
             break
     log(f"  {variant.name:<10} {t:5d} steps in {train_time:6.1f} s "
-        f"(compiled in {compile_s:.1f} s): test acc {history['acc'][-1]:.3f}")
+        f"(compiled in {compile_s:.1f} s): held-out acc {history['acc'][-1]:.3f}, "
+        f"loss {history['loss'][-1]:.4f}")
     return dict(name=variant.name, steps=t, train_time=train_time,
                 step_ms=1e3 * train_time / t, compile_s=compile_s,
                 final_acc=history["acc"][-1], best_acc=max(history["acc"]),
-                final_loss=history["loss"][-1],
+                final_loss=history["loss"][-1], best_loss=min(history["loss"]),
                 formula_bytes=variant.formula_bytes(trainer.shapes, trainer.n),
                 hlo_bytes=hlo_bytes, history=history)
 
@@ -498,7 +680,7 @@ def time_parts(trainer: Trainer, variants: Sequence[Variant], rounds: int,
     batch, clock = trainer.batch(0), trainer.clock(0.0)
     runs = {}
     for v in variants:
-        tx = optax.chain(v.accounting(), make_optimizer(args))
+        tx = training_transform(v, args, steady=True)
         reduction = v.accounting()
         params = sr.replicate(trainer.params0, trainer.mesh)
         runs[v.name] = dict(
@@ -580,13 +762,22 @@ def reached(history: dict[str, list[float]], target: float, window: int = 1,
     return None
 
 
+#: Per held-out metric: the result keys of its time, steps and speedup.
+_TARGET_KEYS = {"acc": ("time_to_target", "steps_to_target", "speedup"),
+                "loss": ("time_to_loss", "steps_to_loss", "speedup_loss")}
+
+
 def summarize(results: dict[str, dict[str, Any]], tolerance: float,
-              window: int = 1) -> float | None:
+              window: int = 1, targets: Sequence[str] = ("acc", "loss")
+              ) -> float | None:
     """Adds smoothed final values, times to target, speedups and byte ratios.
 
-    The times are those to the all-reduce's final accuracy and test loss, the
-    speedups are over the all-reduce's own times. Returns the accuracy target:
-    the all-reduce's smoothed final accuracy minus ``tolerance``.
+    The times are those to the all-reduce's final value of each metric of
+    ``targets`` (``"acc"``, ``"loss"``), the speedups are over the
+    all-reduce's own times. Returns the first metric's target: the
+    all-reduce's smoothed final accuracy minus ``tolerance``, or its final
+    loss plus ``tolerance`` (the loss target of an accuracy-first run has
+    none).
     """
     for r in results.values():
         r["final_acc_smoothed"] = smoothed(r["history"]["acc"], window)[-1]
@@ -594,48 +785,58 @@ def summarize(results: dict[str, dict[str, Any]], tolerance: float,
     base = results.get("all-reduce")
     if base is None:
         return None
-    target = base["final_acc_smoothed"] - tolerance
+    slack = {"acc": -tolerance, "loss": 0.0}
+    slack[targets[0]] = -tolerance if targets[0] == "acc" else tolerance
+    goals = {m: base[f"final_{m}_smoothed"] + slack[m] for m in targets}
     for r in results.values():
         r["bytes_ratio"] = r["formula_bytes"] / base["formula_bytes"]
-        for metric, goal, key in (("acc", target, "target"),
-                                  ("loss", base["final_loss_smoothed"],
-                                   "loss")):
+        for metric, goal in goals.items():
+            time_key, steps_key, _ = _TARGET_KEYS[metric]
             when = reached(r["history"], goal, window, metric)
-            r[f"time_to_{key}"] = None if when is None else when[0]
-            r[f"steps_to_{key}"] = None if when is None else when[1]
+            r[time_key] = None if when is None else when[0]
+            r[steps_key] = None if when is None else when[1]
     for r in results.values():
-        for key, out in (("time_to_target", "speedup"),
-                         ("time_to_loss", "speedup_loss")):
-            mine, theirs = r[key], base[key]
+        for metric in goals:
+            time_key, _, out = _TARGET_KEYS[metric]
+            mine, theirs = r[time_key], base[time_key]
             r[out] = theirs / mine if mine and theirs else None
-    return target
+    return goals[targets[0]]
 
 
-def results_table(results: dict[str, dict[str, Any]]) -> str:
-    """The printed table."""
-    headers = ("variant", "steps", "ms/step", "final acc", "smoothed",
-               "best acc", "t->acc s", "speedup", "t->loss s", "speedup",
-               "steps->loss", "bytes/step (formula)", "bytes/step (HLO)",
-               "vs all-reduce")
+def results_table(results: dict[str, dict[str, Any]],
+                  targets: Sequence[str] = ("acc", "loss")) -> str:
+    """The printed table (``targets``: as :func:`summarize`'s)."""
 
     def opt(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    rows = []
-    for name, r in results.items():
-        rows.append((name, f"{r['steps']}", f"{r['step_ms']:.0f}",
-                     f"{r['final_acc']:.3f}",
-                     opt(r.get("final_acc_smoothed"), ".3f"),
-                     f"{r['best_acc']:.3f}",
-                     opt(r.get("time_to_target"), ".1f"),
-                     opt(r.get("speedup"), ".2f"),
-                     opt(r.get("time_to_loss"), ".1f"),
-                     opt(r.get("speedup_loss"), ".2f"),
-                     opt(r.get("steps_to_loss"), ".0f"),
-                     f"{r['formula_bytes']:,.0f}", f"{r['hlo_bytes']:,.0f}",
-                     opt(r.get("bytes_ratio"), ".3f")))
-    cells = [list(headers)] + [list(r) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    def col(header: str, key: str, fmt: str) -> tuple[str, Callable]:
+        return header, lambda r: opt(r.get(key), fmt)
+
+    if targets[0] == "acc":
+        finals = [col("final acc", "final_acc", ".3f"),
+                  col("smoothed", "final_acc_smoothed", ".3f"),
+                  col("best acc", "best_acc", ".3f")]
+    else:
+        finals = [col("final loss", "final_loss", ".4f"),
+                  col("smoothed", "final_loss_smoothed", ".4f"),
+                  col("best loss", "best_loss", ".4f"),
+                  col("final acc", "final_acc", ".3f")]
+    timed = {"acc": [col("t->acc s", "time_to_target", ".1f"),
+                     col("speedup", "speedup", ".2f")],
+             "loss": [col("t->loss s", "time_to_loss", ".1f"),
+                      col("speedup", "speedup_loss", ".2f"),
+                      col("steps->loss", "steps_to_loss", ".0f")]}
+    columns = [("variant", lambda r: r["name"]), col("steps", "steps", "d"),
+               col("ms/step", "step_ms", ".0f"), *finals,
+               *[c for m in targets for c in timed[m]],
+               col("bytes/step (formula)", "formula_bytes", ",.0f"),
+               col("bytes/step (HLO)", "hlo_bytes", ",.0f"),
+               col("vs all-reduce", "bytes_ratio", ".3f")]
+    cells = [[h for h, _ in columns]] + [
+        [cell(dict(r, name=name)) for _, cell in columns]
+        for name, r in results.items()]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
 
     def line(row: list[str]) -> str:
         return "  ".join([row[0].ljust(widths[0])] + [
@@ -646,8 +847,8 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(results: dict[str, dict[str, Any]], target: float | None,
-         path: pathlib.Path, title: str) -> None:
-    """Saves test accuracy against training time."""
+         path: pathlib.Path, title: str, metric: str = "acc") -> None:
+    """Saves test accuracy (or the ``"loss"``) against training time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -656,16 +857,22 @@ def plot(results: dict[str, dict[str, Any]], target: float | None,
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, r in results.items():
         h = r["history"]
-        ax.plot(h["time"], h["acc"], marker=".", label=name)
+        ax.plot(h["time"], h[metric], marker=".", label=name)
     if target is not None:
         ax.axhline(target, color="gray", ls="--", lw=1,
                    label=f"target {target:.3f}")
     ax.set_xlabel("training time (s, evaluation and compilation excluded)")
-    ax.set_ylabel("test accuracy")
     # Zoom on the end of training, where the target is reached.
-    ax.set_ylim(0.0 if target is None else max(0.0, target - 0.15), 1.0)
+    if metric == "acc":
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0.0 if target is None else max(0.0, target - 0.15), 1.0)
+    else:
+        ax.set_ylabel("held-out loss (nats)")
+        low = min(min(r["history"]["loss"]) for r in results.values())
+        if target is not None and math.isfinite(low):
+            ax.set_ylim(low - 0.05, target + 1.0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right" if metric == "acc" else "upper right")
     ax.set_title(textwrap.fill(title, 90), fontsize=10)  # long titles: wrap
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -675,9 +882,14 @@ def plot(results: dict[str, dict[str, Any]], target: float | None,
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp",
+                   help="mlp (the wide MLP on digits, the default) or lm "
+                   "(examples/train_lm.py's byte transformer)")
+    p.add_argument("--variants", default=None,
                    help="comma-separated, from: " + ", ".join(ALL_VARIANTS)
-                   + " (default: all but static)")
+                   + " (default: " + "; ".join(
+                       f"{w}: {','.join(d.variants)}" for w, d in WORKLOADS.items())
+                   + ")")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="training seconds per variant (default 60)")
     p.add_argument("--eval-every", type=float, default=2.0,
@@ -685,19 +897,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=1_000_000,
                    help="also stop after this many steps")
     p.add_argument("--hidden", type=int, default=2048,
-                   help="width of each hidden layer (default 2048)")
+                   help="mlp: width of each hidden layer (default 2048)")
     p.add_argument("--layers", type=int, default=2,
-                   help="number of hidden layers (default 2)")
-    p.add_argument("--batch-per-rank", type=int, default=16)
+                   help="hidden layers (mlp) or transformer blocks (lm); "
+                   "default 2")
+    p.add_argument("--d-model", type=int, default=256,
+                   help="lm: model width (default 256)")
+    p.add_argument("--heads", type=int, default=4,
+                   help="lm: attention heads (default 4)")
+    p.add_argument("--seq-len", type=int, default=64,
+                   help="lm: bytes predicted per sequence (default 64)")
+    p.add_argument("--batch-per-rank", type=int, default=None,
+                   help="samples (lm: sequences) per rank per step (default: "
+                   + ", ".join(f"{w} {d.batch_per_rank}" for w, d in WORKLOADS.items())
+                   + ")")
     p.add_argument("--shift", type=int, default=1,
                    help="also train and test on every digit shifted by up "
                         "to this many pixels (default 1: 9x the images; 0: "
                         "the plain digits)")
-    p.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="sgd",
-                   help="sgd (with momentum 0.9, the default) or adam")
+    p.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default=None,
+                   help="sgd (with momentum 0.9, the mlp's default), adam or "
+                   "adamw (the lm's default)")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: " + ", ".join(
-                       f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
+                   help="learning rate (default: " + "; ".join(
+                       f"{w}: " + ", ".join(f"{k} {v:g}" for k, v in d.lr.items())
+                       for w, d in WORKLOADS.items()) + ")")
     p.add_argument("--skip-ratio", type=float, default=0.5)
     p.add_argument("--bucket-bytes", type=int, default=None,
                    help="skip_reduce's bucket_bytes (default: the package's, "
@@ -708,7 +932,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--powersgd-warmup", type=int, default=10,
                    help="PowerSGD: steps of plain all-reduce first")
     p.add_argument("--tolerance", type=float, default=0.0,
-                   help="target = the baseline's final accuracy minus this")
+                   help="target = the baseline's final accuracy minus this "
+                   "(lm: its final loss plus this)")
     p.add_argument("--smooth", type=int, default=3,
                    help="accuracies are trailing means over this many "
                         "evaluations (1: raw)")
@@ -728,19 +953,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "JSON and print its table with this version's bookkeeping "
                    "(targets, times and steps to them)")
     args = p.parse_args(argv)
+    defaults = WORKLOADS[args.workload]
+    if args.variants is None:
+        args.variants = ",".join(defaults.variants)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(names) - set(ALL_VARIANTS))
     if unknown or not names:
         p.error(f"--variants: unknown {unknown}; choose from "
                 f"{', '.join(ALL_VARIANTS)}")
     args.variants = [v for v in ALL_VARIANTS if v in names]
+    if args.optimizer is None:
+        args.optimizer = defaults.optimizer
     if args.lr is None:
-        args.lr = DEFAULT_LR[args.optimizer]
+        args.lr = defaults.lr[args.optimizer]
+    if args.batch_per_rank is None:
+        args.batch_per_rank = defaults.batch_per_rank
+    if "skip_adamw" in args.variants and args.optimizer != "adamw":
+        p.error(f"--variants skip_adamw is AdamW itself; with --optimizer "
+                f"{args.optimizer} the others would run another optimizer: "
+                "pass --optimizer adamw or leave skip_adamw out")
     for name in ("shift", "parts", "powersgd_warmup"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("max_steps", "hidden", "layers", "batch_per_rank", "rank",
-                 "smooth", "devices"):
+    for name in ("max_steps", "hidden", "layers", "d_model", "heads", "seq_len",
+                 "batch_per_rank", "rank", "smooth", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("time_budget", "eval_every", "lr"):
@@ -752,6 +988,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--density must be in (0, 1]")
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
         p.error("--bucket-bytes must be >= 1")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} must be a multiple of --heads "
+                f"{args.heads}")
     return args
 
 
@@ -783,16 +1022,26 @@ def resummarize(path: pathlib.Path, args: argparse.Namespace) -> str:
     settings = {name: config.get(name, getattr(args, name))
                 for name in ("tolerance", "smooth")}
     assumed = sorted(set(settings) - set(config))
-    target = summarize(results, settings["tolerance"], settings["smooth"])
+    # A JSON from before --workload is the mlp's.
+    targets = WORKLOADS[config.get("workload", "mlp")].targets
+    target = summarize(results, settings["tolerance"], settings["smooth"], targets)
     head = f"{path.name}: "
     if assumed:
         head += (f"(the JSON records no {' or '.join(assumed)}; taken from "
                  "the command line) ")
     if target is not None:
-        head += (f"accuracy target {target:.3f}, loss target "
-                 f"{results['all-reduce']['final_loss_smoothed']:.4f} "
-                 f"(window {settings['smooth']})")
-    return head + "\n" + results_table(results)
+        head += targets_line(results, target, targets) + (
+            f" (window {settings['smooth']})")
+    return head + "\n" + results_table(results, targets)
+
+
+def targets_line(results: dict[str, dict[str, Any]], target: float,
+                 targets: Sequence[str]) -> str:
+    """``accuracy target X, loss target Y`` (``loss target Y`` without accuracy)."""
+    if targets[0] == "acc":
+        return (f"accuracy target {target:.3f}, loss target "
+                f"{results['all-reduce']['final_loss_smoothed']:.4f}")
+    return f"loss target {target:.4f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -811,11 +1060,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = data_mesh()
     trainer = Trainer(args, mesh)
     n = trainer.n
+    targets = WORKLOADS[args.workload].targets
     platform = mesh.devices.flat[0].platform
     mode = ("in-process" if jax.process_count() == 1 else
             f"{jax.process_count()} processes")
-    widths = "-".join([str(args.hidden)] * args.layers)
-    log(f"{n} ranks ({mode}, {platform}), MLP 64-{widths}-10: "
+    log(f"{n} ranks ({mode}, {platform}), {trainer.workload.title}: "
         f"{trainer.num_params:,} params, "
         f"{4 * trainer.num_params / 2**20:.1f} MiB of float32 gradients; "
         f"{args.batch_per_rank} samples/rank/step, {args.optimizer} at lr "
@@ -835,24 +1084,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     results = {name: run_variant(trainer, variants[name], log)
                for name in args.variants}
-    target = summarize(results, args.tolerance, args.smooth)
+    target = summarize(results, args.tolerance, args.smooth, targets)
     if target is not None:
-        final = target + args.tolerance
         loss = results["all-reduce"]["final_loss_smoothed"]
-        log(f"\ntargets: the all-reduce's final test accuracy {final:.3f}"
-            + (f" - {args.tolerance:g}" if args.tolerance else "")
-            + f" and test loss {loss:.4f} (means of its last {args.smooth} "
-            "evaluations; every curve is smoothed the same way)")
-    log(results_table(results))
+        if targets[0] == "acc":
+            head = (f"test accuracy {target + args.tolerance:.3f}"
+                    + (f" - {args.tolerance:g}" if args.tolerance else "")
+                    + f" and test loss {loss:.4f}")
+        else:
+            head = (f"held-out loss {loss:.4f}"
+                    + (f" + {args.tolerance:g}" if args.tolerance else ""))
+        log(f"\ntargets: the all-reduce's final {head} (means of its last "
+            f"{args.smooth} evaluations; every curve is smoothed the same way)")
+    log(results_table(results, targets))
     if lead:
         json_path = write_json(args, trainer, dict(results=results),
                                target=target)
         png_path = args.out / f"{args.name}.png"
+        shift = (f", digits shifted by up to {args.shift} px"
+                 if args.shift and args.workload == "mlp" else "")
         plot(results, target, png_path,
-             f"digits MLP ({trainer.num_params:,} params), {n} ranks, {mode}, "
-             f"{args.batch_per_rank} samples/rank/step, {args.optimizer}"
-             + (f", digits shifted by up to {args.shift} px" if args.shift
-                else ""))
+             f"{trainer.workload.title} ({trainer.num_params:,} params), {n} "
+             f"ranks, {mode}, {args.batch_per_rank} samples/rank/step, "
+             f"{args.optimizer}" + shift, metric=targets[0])
         log(f"wrote {json_path} and {png_path}")
     return 0
 

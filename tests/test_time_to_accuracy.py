@@ -204,3 +204,95 @@ def test_static_runs_only_when_asked_and_drops_the_same_ranks_every_step():
         np.testing.assert_array_equal(a, b)      # the same ranks every step
     assert any(not np.array_equal(a, b)
                for a, b in zip(random[:leaves], random[leaves:]))
+
+
+def test_lm_defaults_and_argument_checks(capsys):
+    args = tta.parse_args(["--workload", "lm"])
+    assert (args.optimizer, args.lr, args.batch_per_rank) == (
+        "adamw", tta.LM_LR["adamw"], 4)
+    assert args.variants == ["all-reduce", "skip_adamw", "random", "topk", "powersgd"]
+    # The mlp's defaults are unchanged: no skip_adamw, SGD, 16 per rank.
+    mlp = tta.parse_args([])
+    assert mlp.variants == list(tta.DEFAULT_VARIANTS)
+    assert "skip_adamw" not in mlp.variants and mlp.batch_per_rank == 16
+    sgd = tta.parse_args(["--workload", "lm", "--optimizer", "sgd",
+                          "--variants", "all-reduce,random"])
+    assert sgd.lr == tta.LM_LR["sgd"]
+    for bad, message in [
+        (["--variants", "skip_adamw,all-reduce"], "pass --optimizer adamw"),
+        (["--workload", "lm", "--optimizer", "sgd"], "pass --optimizer adamw"),
+        (["--d-model", "30"], "--d-model 30 must be a multiple of --heads 4"),
+        (["--seq-len", "0"], "--seq-len must be >= 1"),
+        (["--workload", "gpt"], "invalid choice: 'gpt'"),
+    ]:
+        with pytest.raises(SystemExit):
+            tta.parse_args(bad)
+        assert message in capsys.readouterr().err
+
+
+def test_lm_size_and_skip_adamw_keep_the_embeddings_whole():
+    train_lm = tta.import_train_lm()
+    assert tta.WORKLOADS["lm"].selective == train_lm.EMBED_PATTERN
+
+    def shapes(d_model):
+        model = train_lm.ByteTransformer(d_model, 2, 4, 64)
+        return jax.eval_shape(model.init, jax.random.key(0),
+                              jnp.zeros((1, 64), jnp.int32))
+
+    default = shapes(256)              # the sizes the module docstring states
+    assert sum(x.size for x in jax.tree_util.tree_leaves(default)) == 1_661_952
+    args = tta.parse_args(["--workload", "lm"])
+    variants = tta.make_variants(args)
+    ratio = (variants["skip_adamw"].formula_bytes(default, 4)
+             / variants["all-reduce"].formula_bytes(default, 4))
+    assert ratio == pytest.approx(0.711, abs=5e-4)
+    # At d_model 512 the token embedding (131k elements) reaches min_size:
+    # only the selective rule keeps it fully reduced.
+    wide = shapes(512)
+    ruleless = sr.comm_stats(wide, 4, skip_ratio=0.5,
+                             **tta.SKIP_ADAMW_DEFAULTS).bytes_per_device
+    assert variants["skip_adamw"].formula_bytes(wide, 4) > ruleless
+
+
+def test_training_transform_of_skip_adamw_is_skip_adamw():
+    args = tta.parse_args(["--workload", "lm", "--variants", "all-reduce,skip_adamw"])
+    variants = tta.make_variants(args)
+    params = {"w": jnp.ones((4,))}
+    tx = tta.training_transform(variants["skip_adamw"], args)
+    # skip_adamw's state: its SkipReduceState first, then AdamW's.
+    reference = sr.skip_adamw(args.lr, axis_name=tta.AXIS, skip_ratio=0.5)
+    assert (jax.tree_util.tree_structure(tx.init(params))
+            == jax.tree_util.tree_structure(reference.init(params)))
+    other = tta.training_transform(variants["all-reduce"], args)
+    assert len(other.init(params)) == 2       # the reduction, then optax.adamw
+
+
+@pytest.mark.slow
+def test_tiny_lm_run_writes_every_variant(tmp_path):
+    argv = ["--workload", "lm", "--d-model", "16", "--heads", "2", "--layers", "1",
+            "--seq-len", "8", "--batch-per-rank", "2", "--lr", "0.01",
+            "--time-budget", "30", "--max-steps", "3", "--eval-every", "30",
+            "--out", str(tmp_path), "--name", "lm"]
+    # skip_adamw's min_size (100k) leaves the tiny model nothing to skip.
+    with pytest.warns(UserWarning, match="no leaf may be skipped"):
+        assert tta.main(argv) == 0
+    saved = __import__("json").loads((tmp_path / "lm.json").read_text())
+    results = saved["results"]
+    assert list(results) == list(tta.LM_VARIANTS)
+    assert saved["config"]["workload"] == "lm"
+    assert saved["config"]["optimizer"] == "adamw"
+    assert saved["config"]["target"] == pytest.approx(
+        results["all-reduce"]["final_loss_smoothed"])
+    for r in results.values():
+        assert r["steps"] == 3
+        assert np.isfinite(r["final_loss"]) and 0 <= r["final_acc"] <= 1
+        assert r["hlo_bytes"] > 0
+    history = results["all-reduce"]["history"]
+    assert history["loss"][-1] < history["loss"][0]
+    # Every leaf of the tiny model is under min_size: skip_adamw's steady
+    # step is an all-reduce, in the formula and in the compiled program.
+    base = results["all-reduce"]
+    assert results["skip_adamw"]["formula_bytes"] == base["formula_bytes"]
+    assert results["skip_adamw"]["hlo_bytes"] == pytest.approx(base["hlo_bytes"])
+    assert results["random"]["hlo_bytes"] < base["hlo_bytes"]
+    assert (tmp_path / "lm.png").exists()
