@@ -23,7 +23,7 @@ def skip_adamw(
     skip_ratio: float,
     seed: int = 0,
     selective: Any = None,
-    min_size: int = 100_000,
+    min_size: int = 0,
     warmup_steps: int = 30,
     **adamw_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
@@ -31,7 +31,8 @@ def skip_adamw(
 
     It is ``optax.chain(skip_reduce(axis_name, skip_ratio=..., seed=...,
     selective=..., min_size=..., warmup_steps=...), optax.adamw(learning_rate,
-    **adamw_kwargs))``: 30 full all-reduce steps first, no error feedback.
+    **adamw_kwargs))``: 30 full all-reduce steps first, every leaf may be
+    skipped (``min_size=0``), no error feedback.
     On the MLP of ``benchmarks/convergence.py`` (AdamW, N = 8, skip ratio
     0.5, 300 steps, 6 seeds) those 30 warm-up steps ended below plain Random
     in every seed (by 0.003-0.004 nats, a sixth of its gap to the all-reduce)
@@ -40,8 +41,13 @@ def skip_adamw(
     higher than plain Random; 8 warm-up steps changed nothing; freezing
     AdamW's second moment after the warm-up (1-bit Adam) sped the
     all-reduce up as much as Random, so it does not address the skipped
-    contributions. Run it inside ``jax.shard_map`` on each rank's LOCAL
-    gradients, as :func:`skip_reduce`.
+    contributions. ``min_size=0``: on the emulated 4-host cluster at
+    500 Mbit/s (``make bench-tta-lm``) ``skip_reduce``'s default of 100 000,
+    which all-reduces the LM's small leaves separately, made each step
+    slower than the plain all-reduce's (433 against 408 ms; 254 ms with
+    ``min_size=0``). The warm-up costs its all-reduce steps: 13 s of a
+    30 s run there, nothing in a long one. Run it inside ``jax.shard_map``
+    on each rank's LOCAL gradients, as :func:`skip_reduce`.
 
     Args:
       learning_rate: a non-negative float or an optax schedule.
@@ -51,7 +57,7 @@ def skip_adamw(
       seed: an int in [0, 2**32), the same on every rank.
       selective: which leaves may be skipped (see :func:`skip_reduce`); with
         BatchNorm, exclude the layers that feed it.
-      min_size: leaves with fewer elements get a full all-reduce.
+      min_size: leaves with fewer elements get a full all-reduce (0: none).
       warmup_steps: full all-reduce steps before skipping starts (0: skip
         from the first step).
       **adamw_kwargs: passed to ``optax.adamw`` (``b1``, ``b2``, ``eps``,

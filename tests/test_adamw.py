@@ -51,10 +51,11 @@ def test_equals_the_chain_of_skip_reduce_and_adamw():
 
 
 def test_defaults_are_a_30_step_warm_up_then_skip_reduce_and_adamw_defaults():
-    assert inspect.signature(sr.skip_adamw).parameters["warmup_steps"].default == 30
-    # w: 2**17 elements, over the default min_size; b is fully reduced.
+    defaults = inspect.signature(sr.skip_adamw).parameters
+    assert defaults["warmup_steps"].default == 30 and defaults["min_size"].default == 0
     got = _run(sr.skip_adamw(1e-2, axis_name="data", skip_ratio=0.5), rows=2**14)
-    want = _run(optax.chain(sr.skip_reduce("data", skip_ratio=0.5, warmup_steps=30),
+    want = _run(optax.chain(sr.skip_reduce("data", skip_ratio=0.5, warmup_steps=30,
+                                           min_size=0),
                             optax.adamw(1e-2)), rows=2**14)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
