@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import xla_steps
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -204,20 +205,10 @@ def test_make_train_step_with_sharded_params_equals_xlas_fsdp_step():
     assert step._cache_size() == 1
     # XLA's own FSDP step: plain jit with params P("data") (Auto axes: under
     # Explicit ones the bias add of a batch and a sharded bias needs a reshard).
-    ref_tx = optax.adamw(1e-2)
     auto = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     ref = sr.shard_params(host, auto, "data")
     xb = tuple(jax.device_put(a, NamedSharding(auto, P("data"))) for a in batch)
-    with jax.set_mesh(auto):
-        ref_state = jax.jit(ref_tx.init)(ref)
-
-        @jax.jit
-        def ref_step(p, s):
-            updates, s = ref_tx.update(jax.grad(_mlp_loss)(p, xb), s, p)
-            return optax.apply_updates(p, updates), s
-
-        for _ in range(20):
-            ref, ref_state = ref_step(ref, ref_state)
+    ref = xla_steps(_mlp_loss, optax.adamw(1e-2), ref, xb, auto, 20)
     for k in host:
         np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]),
                                    rtol=1e-4, atol=1e-5)

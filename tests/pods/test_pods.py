@@ -206,8 +206,13 @@ def _slow_gathers(found):
 @functools.cache
 def _xla_fsdp_collectives(platform):
     """XLA's own FSDP step: plain jit, params P("slow"), the batch over all devices."""
+    return xla_step_collectives(platform, _fsdp_params)
+
+
+def xla_step_collectives(platform, make_params):
+    """The collectives of XLA's own SGD step on ``make_params(mesh)``'s layout."""
     mesh = _mesh(platform)
-    loss_fn, _, params = _fsdp_params(mesh)
+    loss_fn, _, params = make_params(mesh)
     sgd = optax.sgd(0.1)
 
     def step(params, batch):

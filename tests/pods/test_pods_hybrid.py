@@ -35,17 +35,7 @@ def _params(mesh):
 @functools.cache
 def _xla(platform):
     """XLA's own step with the same layout: plain jit, the batch over all devices."""
-    mesh = test_pods._mesh(platform)
-    loss_fn, _, params = _params(mesh)
-    sgd = optax.sgd(0.1)
-
-    def step(params, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        return optax.apply_updates(params, sgd.update(grads, sgd.init(params))[0]), loss
-
-    compiled = jax.jit(step, donate_argnums=0).lower(
-        params, pods._batch(mesh, 1024, 32)).compile()
-    return pods.collectives(compiled.as_text(), pods.mesh_nodes(mesh))
+    return test_pods.xla_step_collectives(platform, _params)
 
 
 def _slow(found, kinds):
