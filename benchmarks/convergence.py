@@ -29,7 +29,10 @@ of about 256 elements), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
 ``random+ef`` (error feedback), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
-a full all-reduce), ``random-wW`` (W full all-reduce warm-up steps first),
+a full all-reduce), ``random-radial`` (``exact_radial=True``: each output
+channel's update along its weights exact, vectors fully reduced; the default
+where the params hold a BatchNorm), ``random-noradial`` (``exact_radial=False``),
+``random-wW`` (W full all-reduce warm-up steps first),
 ``random-wW-fv`` (the same, then AdamW's second moment frozen: 1-bit Adam's
 recipe without its compression) and ``all-reduce-fvW`` (the all-reduce with
 the second moment frozen after W steps: the control for ``-fv``). Every
@@ -99,8 +102,8 @@ AXIS = "data"
 WORKLOADS = ("mlp", "mlp-noniid", "cnn-bn", "lm")
 OPTIMIZERS = ("sgd", "adamw")
 VARIANTS = ("all-reduce", "bound", "random", "random-c1", "random-c4", "static",
-            "random+ef", "random-sel")
-DEFAULT_VARIANTS = VARIANTS[:-1]
+            "random+ef", "random-sel", "random-radial", "random-noradial")
+DEFAULT_VARIANTS = VARIANTS[:VARIANTS.index("random-sel")]
 LABELS = {
     "all-reduce": "all-reduce",
     "bound": "information bound",
@@ -108,6 +111,8 @@ LABELS = {
     "static": "static",
     "random+ef": "Random + error feedback",
     "random-sel": "Random, selective",
+    "random-radial": "Random, exact radial components",
+    "random-noradial": "Random, exact_radial=False",
 }
 _CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
@@ -430,6 +435,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random+ef":
         kwargs["error_feedback"] = True
+    elif variant in ("random-radial", "random-noradial"):
+        kwargs["exact_radial"] = variant == "random-radial"
     elif variant == "random-sel":
         if selective is None:
             raise ValueError("random-sel: this workload has no selective rule.")

@@ -5,8 +5,9 @@ along a BatchNorm's input bias and scale, so the *summed* gradient of the
 leaves that feed it is zero there, while each rank's own gradient is not.
 Skipping part of that sum leaves a zero-mean residue with no restoring
 force: those leaves random-walk and the running statistics lag behind them
-(``benchmarks/convergence.md``). :func:`warn_if_batchnorm` says so once, at
-``init``.
+(``benchmarks/convergence.md``). ``skip_reduce``'s ``exact_radial`` removes
+the drift, and is on by default when :func:`in_batchnorm` finds a norm;
+:func:`warn_if_batchnorm` says so once, at ``init``, when it is turned off.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def warn_if_batchnorm(tree: Any, skippable: Sequence[bool], *, api: str) -> bool
     shown = ", ".join(fed[:3]) + (f" and {len(fed) - 3} more" if len(fed) > 3 else "")
     warnings.warn(
         f"{api}: the params hold BatchNorm parameters ({example}) and may skip "
-        f"{shown} without error feedback. If a BatchNorm averages its batch "
+        f"{shown} with exact_radial=False and without error feedback. If a "
+        "BatchNorm averages its batch "
         "statistics over the data axis (axis_name=...), the skipped leaves that "
         "feed it random-walk (their summed gradient is zero along its bias and "
-        "scale) and evaluation with the running statistics degrades. Pass "
+        "scale) and evaluation with the running statistics degrades. Leave "
+        "exact_radial at its default (or pass True), or pass "
         "error_feedback=True, or selective=skipreduce_jax.exclude(...) naming "
         "the layers that feed a BatchNorm, or use per-rank statistics "
         "(BatchNorm without axis_name). If no skipped leaf feeds a BatchNorm, "

@@ -110,7 +110,10 @@ def comm_stats(
     k = config.resolve_num_skip(n)
     leaves = jax.tree_util.tree_leaves(grads)
     # With k = 0 every leaf takes the plain pmean, as in update().
-    skippable = [s and k > 0 for s in config.skippable(grads, params)]
+    # The params' layout is the gradients' (exact_radial=None looks for a
+    # BatchNorm in it).
+    like = grads if params is None else params
+    skippable = [s and k > 0 for s in config.skippable(grads, like)]
     sizes = [math.prod(np.shape(x)) for x in leaves]
     full_bytes = sum(s * np.dtype(x.dtype).itemsize
                      for s, x in zip(sizes, leaves)) / inner
@@ -129,6 +132,8 @@ def comm_stats(
         for b in plan.buckets) / inner
     rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
                      zip(sizes, leaves, skippable) if not ok) / inner
+    if config.radial(like):  # one float32 per output channel, all-reduced
+        rest_bytes += sum(4 * np.shape(x)[-1] for x in picked) / inner
     sent = skip_sent + traffic.ring_allreduce_bytes(rest_bytes, n)
     full = traffic.ring_allreduce_bytes(full_bytes, n)
     skipped = sum(s for s, ok in zip(sizes, skippable) if ok)

@@ -32,8 +32,9 @@ from skipreduce_jax import _collectives as coll
 from skipreduce_jax import _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._guards import leaf_agreement
-from skipreduce_jax._norms import in_batchnorm, warn_if_batchnorm
+from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
+from skipreduce_jax._radial import exact_radial, radial_ok
 from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._selection import check_selective, skippable
 
@@ -78,6 +79,7 @@ class _Config:
     min_size: int
     warmup_steps: int
     error_feedback: bool
+    exact_radial: bool | None
     inner_axis: str | None
     chunks_per_rank: int | None
     bucket_bytes: int
@@ -99,9 +101,20 @@ class _Config:
             return skip_ratio_to_num_skip(self.skip_ratio, n)
         return checks.check_num_skip(self.num_skip, n, api=_API)
 
+    def radial(self, params: Any) -> bool:
+        """Whether ``exact_radial`` applies: as given, or (None) with BatchNorm."""
+        if self.exact_radial is not None:
+            return self.exact_radial
+        return (params is not None and not self.error_feedback
+                and not self.params_sharded and any(in_batchnorm(params)))
+
     def skippable(self, updates: Any, params: Any) -> list[bool]:
         """One Python bool per leaf: True when the leaf may be skipped."""
-        return skippable(self.selective, self.min_size, updates, params)
+        flags = skippable(self.selective, self.min_size, updates, params)
+        if self.radial(params):  # a vector's only channel direction is itself
+            flags = [f and radial_ok(x) for f, x in
+                     zip(flags, jax.tree_util.tree_leaves(updates))]
+        return flags
 
 
 def skip_reduce(
@@ -116,6 +129,7 @@ def skip_reduce(
     min_size: int = 100_000,
     warmup_steps: int = 0,
     error_feedback: bool = False,
+    exact_radial: bool | None = None,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -165,6 +179,15 @@ def skip_reduce(
         update is not carried, so a non-finite value is never carried into
         later steps (with ``check_finite`` and ``optax.apply_if_finite``
         such a step is skipped whole).
+      exact_radial: per index of a kernel's last axis (its output channel),
+        make the update's component along that channel's weights exact: one
+        more all-reduce of a float32 per channel, and vectors (biases, norm
+        scales) get a full all-reduce. It needs ``params`` in ``update``.
+        This is the BatchNorm remedy that keeps the convs skipped (see
+        below); for other layers it is one more exact direction per channel.
+        None (the default): on when the params hold BatchNorm parameters and
+        ``update`` gets them, unless ``error_feedback`` or
+        ``params_sharded``.
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
         ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
@@ -245,7 +268,8 @@ def skip_reduce(
             residual = jax.tree_util.tree_unflatten(treedef, [
                 per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
                 for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
-        elif not warned and _warn_if_batchnorm(config, params):
+        elif not warned and not config.radial(params) and _warn_if_batchnorm(
+                config, params):
             warned.append(True)
         return SkipReduceState(jnp.zeros((), jnp.int32), key,
                                jnp.uint32(config.fingerprint()), residual)
@@ -259,8 +283,9 @@ def skip_reduce(
 
 def _make_config(
     *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
-    min_size, warmup_steps, error_feedback, inner_axis, chunks_per_rank,
-    bucket_bytes, accumulate_dtype, check_finite, verify_sync, params_sharded,
+    min_size, warmup_steps, error_feedback, exact_radial, inner_axis,
+    chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
+    params_sharded,
 ) -> _Config:
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
@@ -303,6 +328,13 @@ def _make_config(
         ("randomize", randomize), ("error_feedback", error_feedback),
         ("check_finite", check_finite), ("verify_sync", verify_sync),
         ("params_sharded", params_sharded))}
+    if exact_radial is not None:
+        exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
+    if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
+        raise ValueError(
+            f"{_API}: exact_radial=True works with replicated params and no "
+            "error feedback; pass error_feedback=False and params_sharded=False "
+            "(error feedback alone also removes the BatchNorm drift).")
     chunks_per_rank, bucket_bytes = coll.check_sizes(
         chunks_per_rank, bucket_bytes, api=_API)
     accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
@@ -313,6 +345,7 @@ def _make_config(
         skip_ratio=skip_ratio,
         seed=seed, normalize=normalize, selective=selective,
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
+        exact_radial=exact_radial,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, **flags)
 
@@ -366,6 +399,13 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
             f"smaller than min_size={config.min_size}), so every step is a "
             "full all-reduce. For a small model pass e.g. min_size=0.",
             stacklevel=2)
+    if (config.exact_radial is None and params is None and num_skip > 0
+            and not config.error_feedback and any(in_batchnorm(updates))):
+        warnings.warn(
+            f"{_API}: the gradients hold BatchNorm parameters but update() got "
+            "params=None, so exact_radial (the remedy for the leaves that feed "
+            "a BatchNorm) is off. Call tx.update(grads, state, params).",
+            BatchNormWarning, stacklevel=2)
     axes = _axes(config)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
@@ -404,6 +444,9 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                      accumulate_dtype=config.accumulate_dtype)
         if residuals is None:
             ar_out, ar_left = coll.skip_pmean(ar, config.axis_name, **ar_kw), None
+            if config.radial(params):
+                ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
+                                      axes)
         else:
             ar_out, ar_left = coll.skip_pmean_and_left_out(ar, config.axis_name, **ar_kw)
         count = n - num_skip if config.normalize == "contributors" else n
@@ -455,6 +498,15 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         _verify_sync(state, axes)
     new_state = state._replace(count=state.count + 1, residual=residual)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _picked_params(params: Any, skippable: list[bool]) -> list[jax.Array]:
+    """The params of the skipped leaves (exact_radial's directions)."""
+    if params is None:
+        raise ValueError(
+            f"{_API}(exact_radial=True): update() got params=None; call "
+            "tx.update(grads, state, params) (optax.chain passes them through).")
+    return [p for p, s in zip(jax.tree_util.tree_leaves(params), skippable) if s]
 
 
 def _all_finite(arrays: list[jax.Array]) -> jax.Array:

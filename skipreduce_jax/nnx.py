@@ -164,7 +164,7 @@ def init_optimizer(
              if isinstance(node, nnx.BatchNorm) and node.axis_name is not None]
     with batchnorm_modules(norms):
         state = init_opt_state(tx, params, mesh, axis_name)
-    optimizer.tx = tx
+    optimizer.tx = _knowing_batchnorms(tx, norms)
     # init_opt_state placed every leaf; flax's eager sharding would place the
     # new Variables again by the params' annotations, which need a mesh
     # context and misfit a residual's extra leading row axis.
@@ -172,6 +172,19 @@ def init_optimizer(
                                    is_leaf=lambda x: isinstance(x, nnx.Variable))
     optimizer.opt_state = nnx.data(to_opt_state(state))
     return optimizer
+
+
+def _knowing_batchnorms(tx: optax.GradientTransformation,
+                        norms: list[tuple[Any, ...]]) -> optax.GradientTransformation:
+    """``tx`` whose update knows the model's BatchNorm layers by type.
+
+    ``skip_reduce(exact_radial=None)`` turns its BatchNorm remedy on from them.
+    """
+    def update(updates, state, params=None, **extra):
+        with batchnorm_modules(norms):
+            return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def _placed(x: Any) -> Any:

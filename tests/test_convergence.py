@@ -196,10 +196,13 @@ def test_tiny_end_to_end(tmp_path):
 @pytest.mark.filterwarnings("ignore::skipreduce_jax.BatchNormWarning")  # the drift shown
 def test_tiny_batchnorm_run_records_norms_and_recalibrated_metrics(tmp_path):
     report = cv.main(["--workloads", "cnn-bn", "--steps", "5", "--eval-every", "5",
-                      "--variants", "random", "--out", str(tmp_path), "--no-plot"])
-    base, skip = (r["history"] for r in report["runs"])
+                      "--variants", "random-noradial,random", "--out", str(tmp_path),
+                      "--no-plot"])
+    base, skip, remedied = (r["history"] for r in report["runs"])
     assert {"recal_val_acc", "Conv_0/kernel", "Conv_1/bias"} <= set(skip)
     # BatchNorm makes the conv biases' summed gradient zero: the all-reduce
-    # leaves them at their initial zeros (to rounding), skipping moves them.
+    # leaves them at their initial zeros (to rounding), skipping moves them,
+    # and the default (exact_radial, on with a BatchNorm) does not.
     assert max(base["Conv_0/bias"]) < 1e-6
     assert skip["Conv_0/bias"][-1] > 1e-3
+    assert max(remedied["Conv_0/bias"]) < 1e-6

@@ -222,3 +222,35 @@ def test_init_optimizer_keeps_partitioned_params_layouts_without_a_mesh_context(
         assert np.isfinite(float(step(model, optimizer, np.ones((8, 16), np.float32))))
     assert model.kernel[...].sharding.spec == P("fsdp", "tensor")
     sr.assert_replicated(nnx.state(model), mesh)
+
+
+@pytest.mark.parametrize("exact_radial", [None, False])
+def test_batchnorm_found_by_type_turns_exact_radial_on(exact_radial):
+    # linear1 feeds a BatchNorm: by default each of its channels moves along
+    # its weights exactly as under the all-reduce, and vectors are reduced
+    # in full; with exact_radial=False neither holds.
+    mesh = jax.make_mesh((N,), ("data",))
+    sgd = optax.sgd(0.1)
+    tx = optax.chain(sr.skip_reduce("data", num_skip=4, min_size=0,
+                                    exact_radial=exact_radial), sgd)
+    model = MLP(nnx.Rngs(0))
+    graphdef, params, keys, rest = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, nnx.RngKey, ...)
+    w0 = np.asarray(model.linear1.kernel[...])
+    ref, _, _ = _reference_step(graphdef, sgd)(
+        params, keys, rest, sgd.init(params),
+        *jax.device_put(_batch(), NamedSharding(
+            jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), P("data"))))
+    if exact_radial is None:
+        optimizer = srnnx.init_optimizer(model, tx, mesh, "data")
+    else:
+        with pytest.warns(sr.BatchNormWarning):
+            optimizer = srnnx.init_optimizer(model, tx, mesh, "data")
+    srnnx.data_parallel(_train_step, mesh, batch_argnums=3)(
+        model, optimizer, _metrics(), _batch())
+    radial = np.sum((np.asarray(model.linear1.kernel[...]) - w0) * w0, axis=0)
+    want = np.sum((np.asarray(ref["linear1"]["kernel"][...]) - w0) * w0, axis=0)
+    bias = np.asarray(model.linear2.bias[...])
+    want_bias = np.asarray(ref["linear2"]["bias"][...])
+    exact = exact_radial is None
+    assert np.allclose(radial, want, rtol=1e-4, atol=1e-6) == exact
+    assert np.allclose(bias, want_bias, rtol=1e-5, atol=1e-7) == exact

@@ -1,5 +1,7 @@
-"""skip_reduce's BatchNorm warning: raised when skipping reaches the leaves
-that feed a BatchNorm without error feedback, and only then."""
+"""skip_reduce and BatchNorm: exact_radial is on by default when the params
+hold a BatchNorm (linen's names, NNX's types); the warning is raised when
+skipping reaches the leaves that feed it with that remedy and error feedback
+off, and only then."""
 
 import warnings
 
@@ -27,8 +29,11 @@ def _no_warning(fn):
         return fn()
 
 
+OFF = dict(exact_radial=False)
+
+
 def test_warns_when_leaves_beside_a_batchnorm_may_skip():
-    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0)
+    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF)
     with pytest.warns(sr.BatchNormWarning,
                       match=r"(?s)BatchNorm_0.*Conv_0'\]\['bias'\].*error_feedback=True"):
         tx.init(_linen_params())
@@ -36,7 +41,8 @@ def test_warns_when_leaves_beside_a_batchnorm_may_skip():
 
 def test_warns_once_inside_init_opt_state():
     mesh = jax.make_mesh((N,), ("data",))
-    tx = optax.chain(sr.skip_reduce("data", num_skip=4, min_size=0), optax.sgd(0.1))
+    tx = optax.chain(sr.skip_reduce("data", num_skip=4, min_size=0, **OFF),
+                     optax.sgd(0.1))
     with pytest.warns(sr.BatchNormWarning) as record:
         sr.init_opt_state(tx, sr.replicate(_linen_params(), mesh), mesh, "data")
     assert sum(issubclass(r.category, sr.BatchNormWarning) for r in record) == 1
@@ -51,7 +57,7 @@ def test_warns_once_inside_init_opt_state():
          selective=sr.by_path(lambda path, leaf: "BatchNorm" in path)),
 ])
 def test_no_warning_when_nothing_that_feeds_a_norm_skips(kwargs):
-    _no_warning(lambda: sr.skip_reduce("data", **kwargs).init(_linen_params()))
+    _no_warning(lambda: sr.skip_reduce("data", **kwargs, **OFF).init(_linen_params()))
 
 
 def test_no_warning_with_error_feedback_or_without_batchnorm():
@@ -61,13 +67,14 @@ def test_no_warning_with_error_feedback_or_without_batchnorm():
     _no_warning(lambda: sr.init_opt_state(tx, params, mesh, "data"))
     plain = {"params": {k: v for k, v in _linen_params()["params"].items()
                         if k != "BatchNorm_0"}}
-    _no_warning(lambda: sr.skip_reduce("data", skip_ratio=0.5, min_size=0).init(plain))
+    _no_warning(lambda: sr.skip_reduce("data", skip_ratio=0.5, min_size=0,
+                                       **OFF).init(plain))
 
 
 def test_a_ratio_that_rounds_to_no_skip_does_not_warn():
     # 0.05 of 7 steps rounds to k = 0 once the axis size is known.
     mesh = jax.make_mesh((N,), ("data",))
-    tx = sr.skip_reduce("data", skip_ratio=0.05, min_size=0)
+    tx = sr.skip_reduce("data", skip_ratio=0.05, min_size=0, **OFF)
     _no_warning(lambda: sr.init_opt_state(tx, sr.replicate(_linen_params(), mesh),
                                           mesh, "data"))
 
@@ -87,13 +94,14 @@ class _Net(nnx.Module):
 def test_nnx_init_optimizer_finds_batchnorm_by_type(axis_name):
     mesh = jax.make_mesh((N,), ("data",))
     model = _Net(axis_name, nnx.Rngs(0))
-    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0), optax.sgd(0.1))
+    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF),
+                     optax.sgd(0.1))
     if axis_name is None:  # per-rank statistics: nothing drifts
         _no_warning(lambda: srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param))
     else:
         with pytest.warns(sr.BatchNormWarning, match=r"\['b'\].*\['a'\]\['bias'\]"):
             srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param)
     # Fully reducing the layer that feeds it silences it.
-    quiet = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0,
+    quiet = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF,
                                        selective=sr.exclude(r"\['a'\]")), optax.sgd(0.1))
     _no_warning(lambda: srnnx.init_optimizer(model, quiet, mesh, "data", wrt=nnx.Param))
