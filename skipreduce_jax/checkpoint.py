@@ -224,7 +224,7 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"from those of the optimizer in opt_state_like (fingerprint "
                 f"{want:#010x}). Build skip_reduce with the same num_skip/"
                 "skip_ratio, randomize, normalize, min_size, warmup_steps, "
-                "error_feedback, inner_axis, chunks_per_rank, bucket_bytes, "
+                "error_feedback, exact_radial, inner_axis, chunks_per_rank, bucket_bytes, "
                 "accumulate_dtype and check_finite as the run that saved it.")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
