@@ -213,3 +213,24 @@ def test_the_batch_may_be_split_over_the_fsdp_axis_too(name):
     for k in before:
         np.testing.assert_allclose(np.asarray(new[k]), before[k] - 0.1 * grads[k],
                                    rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_exact_radial_on_sharded_leaves(name):
+    # One SGD step of lr 1: each channel's move along its weights equals the
+    # all-reduce's (k = 0), with the leaves sharded by the compiler.
+    moves = {}
+    for kw in (dict(num_skip=0), dict(skip_ratio=0.5, exact_radial=True)):
+        tx = optax.chain(sr.skip_reduce("replica", min_size=0, **kw), optax.sgd(1.0))
+        mesh, specs, start, batch = _setup(name)
+        host = jax.device_get(start)
+        _, _, params, opt_state, _, _ = _train(name, tx, 1)
+        sr.assert_replicated(params, mesh)
+        for k in params:
+            assert params[k].sharding.is_equivalent_to(
+                NamedSharding(mesh, specs[k]), params[k].ndim)
+        new = jax.device_get(params)
+        moves[len(kw)] = {k: np.sum((new[k] - host[k]) * host[k], axis=0) if host[k].ndim > 1
+                          else new[k] - host[k] for k in new}
+    for k in moves[1]:
+        np.testing.assert_allclose(moves[2][k], moves[1][k], rtol=1e-4, atol=1e-6)
