@@ -142,7 +142,9 @@ def init_optimizer(
     of one per rank, and nothing checks that every device built
     ``skip_reduce`` alike. This builds the state with
     :func:`skipreduce_jax.init_opt_state` instead: per-rank rows on their
-    devices, replicated state everywhere, settings checked.
+    devices, replicated state everywhere, settings checked. Its ``update``
+    also knows the model's ``nnx.BatchNorm`` layers (with an ``axis_name``)
+    by type, which turns ``skip_reduce``'s ``exact_radial`` on by default.
 
     Args:
       model: the NNX Module.
