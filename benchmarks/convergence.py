@@ -115,6 +115,8 @@ LABELS = {
     "random-noradial": "Random, exact_radial=False",
 }
 _CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
+# random+cvR: control variates at rate R (e.g. random+cv0.5).
+_CONTROL = re.compile(r"random\+cv((?:0?\.[0-9]+)|1(?:\.0*)?)$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
 # frozen (1-bit Adam's recipe, without its compression).
 _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
@@ -130,6 +132,9 @@ def label(variant: str) -> str:
     match = _CHUNKS.match(variant)
     if match:
         return f"Random, chunks_per_rank={match.group(1)}"
+    match = _CONTROL.match(variant)
+    if match:
+        return f"Random + control variates, rate {match.group(1)}"
     match = _FROZEN.match(variant)
     if match:
         return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
@@ -143,10 +148,10 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN)):
+            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN, _CONTROL)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
-                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv] or "
-                         "all-reduce-fvW (K, W >= 1).")
+                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv], "
+                         "random+cvR or all-reduce-fvW (K, W >= 1; R in (0, 1]).")
     return variant
 
 
@@ -427,8 +432,11 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
     match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
+    control = _CONTROL.match(variant)
     if match:
         kwargs["chunks_per_rank"] = int(match.group(1))
+    elif control:
+        kwargs["control_variate"] = float(control.group(1))
     elif warmup:
         kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
@@ -898,7 +906,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=300, help="training steps per run")
     add("--eval-every", type=int, default=10, help="steps between evaluations")
     add("--variants", type=_csv(_variant), default=list(DEFAULT_VARIANTS),
-        help=f"comma-separated, of {','.join(VARIANTS)} or random-cK")
+        help=f"comma-separated, of {','.join(VARIANTS)}, random-cK or random+cvR")
     add("--lr", type=float, default=None,
         help="learning rate for every run (default: per workload and optimizer)")
     add("--target-fraction", type=float, default=2 / 3,

@@ -56,15 +56,20 @@ class SkipReduceState(NamedTuple):
         stacked along the data axis outside; see :func:`state_specs`); a
         leaf that is never skipped (``selective``, ``min_size``) keeps an
         empty row, ``[1, 0]``.
+      deviation: ``control_variate`` only (else ``optax.EmptyState()``): this
+        rank's running deviation from the mean, subtracted before the ring.
+        The deviations sum to zero over the ranks. Shaped and placed as
+        ``residual``.
     """
 
     count: jax.Array
     key: jax.Array
     fingerprint: jax.Array
     residual: Any
+    deviation: Any = optax.EmptyState()
 
     # Placed per rank by skipreduce_jax.state_specs.
-    per_rank_fields = ("residual",)
+    per_rank_fields = ("residual", "deviation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,7 @@ class _Config:
     min_size: int
     warmup_steps: int
     error_feedback: bool
+    control_variate: float | None
     exact_radial: bool | None
     inner_axis: str | None
     chunks_per_rank: int | None
@@ -129,6 +135,7 @@ def skip_reduce(
     min_size: int = 100_000,
     warmup_steps: int = 0,
     error_feedback: bool = False,
+    control_variate: float | None = None,
     exact_radial: bool | None = None,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
@@ -179,6 +186,19 @@ def skip_reduce(
         update is not carried, so a non-finite value is never carried into
         later steps (with ``check_finite`` and ``optax.apply_if_finite``
         such a step is skipped whole).
+      control_variate: a rate in (0, 1] turns on per-rank control variates
+        (beyond the paper; None: off). Each rank keeps a running estimate of
+        how its gradient deviates from the mean and sends its gradient less
+        that deviation; the deviations sum to zero over the ranks, so the
+        mean is unchanged and unbiased, but what a skipped rank's absence
+        costs shrinks from its whole deviation to the change in it. This is
+        the remedy for non-IID ranks (each holding other classes or
+        domains). Where the summed ranks' sent values meet the mean, each
+        moves its deviation by ``rate`` times the difference. No extra
+        bytes; the deviations live in the state, one row per rank, placed
+        like ``error_feedback``'s residual (:func:`state_specs`). Needs
+        replicated params and ``normalize="contributors"``; not with
+        ``error_feedback``.
       exact_radial: per index of a kernel's last axis (its output channel),
         make the update's component along that channel's weights exact: one
         more all-reduce of a float32 per channel, and vectors (biases, norm
@@ -255,24 +275,14 @@ def skip_reduce(
 
     def init_fn(params):
         key = jax.random.key_data(jax.random.key(config.seed))
-        residual = optax.EmptyState()
-        if config.error_feedback:
-            # Leaves that are never skipped keep nothing: an empty row each.
-            # A param sharded over the data axis (FSDP) carries what was left
-            # out of its whole local gradient.
-            leaves, treedef = jax.tree_util.tree_flatten(params)
-            full = jax.tree_util.tree_unflatten(treedef, [
-                jax.ShapeDtypeStruct(_gradient_shape(p, config), p.dtype)
-                for p in leaves])
-            flags = config.skippable(full, params)
-            residual = jax.tree_util.tree_unflatten(treedef, [
-                per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
-                for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
-        elif not warned and not config.radial(params) and _warn_if_batchnorm(
-                config, params):
+        rows = _per_rank_rows(config, params)
+        if (not config.error_feedback and not warned
+                and not config.radial(params) and _warn_if_batchnorm(config, params)):
             warned.append(True)
-        return SkipReduceState(jnp.zeros((), jnp.int32), key,
-                               jnp.uint32(config.fingerprint()), residual)
+        return SkipReduceState(
+            jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
+            residual=rows if config.error_feedback else optax.EmptyState(),
+            deviation=rows if config.control_variate else optax.EmptyState())
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -281,9 +291,25 @@ def skip_reduce(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _per_rank_rows(config: _Config, params: Any) -> Any:
+    """Zeros, one row per rank, for the leaves that may be skipped.
+
+    Leaves that are never skipped keep nothing: an empty row each. A param
+    sharded over the data axis (FSDP) gets a row of its whole local gradient.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    full = jax.tree_util.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(_gradient_shape(p, config), p.dtype) for p in leaves])
+    flags = config.skippable(full, params)
+    return jax.tree_util.tree_unflatten(treedef, [
+        per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
+        for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
+
+
 def _make_config(
     *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
-    min_size, warmup_steps, error_feedback, exact_radial, inner_axis,
+    min_size, warmup_steps, error_feedback, control_variate, exact_radial,
+    inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
     params_sharded,
 ) -> _Config:
@@ -330,6 +356,8 @@ def _make_config(
         ("params_sharded", params_sharded))}
     if exact_radial is not None:
         exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
+    if control_variate is not None:
+        control_variate = _check_control_variate(control_variate, normalize, flags)
     if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
         raise ValueError(
             f"{_API}: exact_radial=True works with replicated params and no "
@@ -345,9 +373,25 @@ def _make_config(
         skip_ratio=skip_ratio,
         seed=seed, normalize=normalize, selective=selective,
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
-        exact_radial=exact_radial,
+        exact_radial=exact_radial, control_variate=control_variate,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, **flags)
+
+
+def _check_control_variate(rate: Any, normalize: str, flags: dict[str, bool]
+                           ) -> float:
+    rate = checks.check_real(rate, "control_variate", api=_API, maximum=1.0,
+                             positive=True)
+    for name in ("error_feedback", "params_sharded"):
+        if flags[name]:
+            raise ValueError(
+                f"{_API}: control_variate works with replicated params and no "
+                f"error feedback; pass {name}=False or control_variate=None.")
+    if normalize != "contributors":
+        raise ValueError(
+            f"{_API}: control_variate needs normalize='contributors' (or None): "
+            "the deviations cancel only in the mean over the ranks summed.")
+    return rate
 
 
 def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
@@ -372,14 +416,14 @@ def _axes(config: _Config) -> tuple[str, ...]:
                                   else ())
 
 
-def _check_residuals(leaves: list[jax.Array], residuals: list[jax.Array],
-                     skippable: list[bool]) -> None:
-    """Refuses residuals that do not fit the leaves they belong to."""
-    for g, r, s in zip(leaves, residuals, skippable):
+def _check_rows(leaves: list[jax.Array], rows: list[jax.Array],
+                skippable: list[bool], what: str) -> None:
+    """Refuses per-rank rows that do not fit the leaves they belong to."""
+    for g, r, s in zip(leaves, rows, skippable):
         want = (1,) + tuple(g.shape) if s else (1, 0)
         if tuple(r.shape) != want:
             raise ValueError(
-                f"{_API}: the error-feedback residual of a gradient of shape "
+                f"{_API}: the {what} of a gradient of shape "
                 f"{g.shape} has local shape {tuple(r.shape)}, not {want}: the "
                 "state was built for other selective/min_size settings or "
                 "shapes, or outside shard_map. Build it with "
@@ -411,9 +455,18 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
-        _check_residuals(leaves, residuals, skippable)
+        _check_rows(leaves, residuals, skippable, "error-feedback residual")
         leaves = [g + r[0].astype(g.dtype) if s else g
                   for g, r, s in zip(leaves, residuals, skippable)]
+    deviations = (treedef.flatten_up_to(state.deviation) if config.control_variate
+                  else None)
+    if deviations is not None:
+        # Each rank sends its gradient less its deviation; the deviations
+        # sum to zero over the ranks, so the mean is the same.
+        _check_rows(leaves, deviations, skippable, "control-variate deviation")
+        leaves = [g - c[0].astype(g.dtype) if s else g
+                  for g, c, s in zip(leaves, deviations, skippable)]
+        picked_devs = [c[0] for c, s in zip(deviations, skippable) if s]
     # Params sharded over the data axis (FSDP) get this rank's block of the
     # mean (a reduce-scatter); the others the all-reduced mean.
     scattered = _scattered(leaves, params, n * inner, config)
@@ -429,6 +482,9 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         out = _full_mean(picked, picked_scattered, config)
         left_out = ([jnp.zeros_like(g) for g in picked] if residuals is not None
                     else None)
+        if deviations is not None:
+            left_out = _follow(picked, out, [True] * len(picked), picked_devs,
+                               config.control_variate)
         return out, left_out
 
     def skipped(picked):
@@ -444,6 +500,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                      accumulate_dtype=config.accumulate_dtype)
         if residuals is None:
             ar_out, ar_left = coll.skip_pmean(ar, config.axis_name, **ar_kw), None
+            if deviations is not None:  # never sharded: ar is all of picked
+                mask = coll.contribution_mask(ar, config.axis_name, **{
+                    k: v for k, v in ar_kw.items()
+                    if k not in ("normalize", "accumulate_dtype")})
+                ar_left = _follow(ar, ar_out, mask, picked_devs,
+                                  config.control_variate)
             if config.radial(params):
                 ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
                                       axes)
@@ -456,12 +518,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (count * inner),
                                accumulate_dtype=config.accumulate_dtype,
                                api=_API, **rs_kw)
-        rs_left = None
+        rs_left = []  # control variates: no sharded params, nothing scattered
         if residuals is not None:
             mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
             rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
         return (_merge(picked_scattered, rs_out, ar_out),
-                None if residuals is None else _merge(picked_scattered, rs_left, ar_left))
+                None if ar_left is None else _merge(picked_scattered, rs_left, ar_left))
 
     if not picked or num_skip == 0:
         reduced, left_out = full(picked)
@@ -479,25 +541,41 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # One flag for all ranks: True when every rank's gradient is finite.
         finite = lax.pmin(_all_finite(leaves).astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
-    residual = state.residual
-    if residuals is not None:
+    rows = residuals if residuals is not None else deviations
+    if rows is not None:
         # The update is identical on every rank, so every rank takes the same
         # branch: a non-finite update (to be skipped, e.g. by apply_if_finite)
-        # leaves the residuals as they were; after a finite one, what was
-        # left out becomes the residual, except non-finite values, which would come back
-        # piece by piece in the steps after.
+        # leaves the rows as they were; after a finite one, what was left out
+        # becomes the residual, except non-finite values, which would come
+        # back piece by piece in the steps after.
         applied = _all_finite(out)
         if any(scattered):  # each rank holds other blocks: decide together
             applied = lax.pmin(applied.astype(jnp.int32), axes) > 0
-        kept = [r for r, s in zip(residuals, skippable) if not s]
+        kept = [r for r, s in zip(rows, skippable) if not s]
         new = _merge(skippable, [x[None] for x in left_out], kept)
-        new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r)
-               .astype(r.dtype) for x, r in zip(new, residuals)]
-        residual = jax.tree_util.tree_unflatten(treedef, new)
+        if residuals is not None:
+            new = [jnp.where(jnp.isfinite(x), x, 0) for x in new]
+        new = [jnp.where(applied, x, r).astype(r.dtype) for x, r in zip(new, rows)]
+        rows = jax.tree_util.tree_unflatten(treedef, new)
     if config.verify_sync:
         _verify_sync(state, axes)
-    new_state = state._replace(count=state.count + 1, residual=residual)
+    new_state = state._replace(count=state.count + 1)
+    if residuals is not None:
+        new_state = new_state._replace(residual=rows)
+    elif deviations is not None:
+        new_state = new_state._replace(deviation=rows)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _follow(sent: list[jax.Array], means: list[jax.Array], summed: list[Any],
+            deviations: list[jax.Array], rate: float) -> list[jax.Array]:
+    """Each deviation moved toward ``sent - mean`` where its rank was summed.
+
+    Over the ranks summed at an element the moves add up to zero (the mean
+    is their average), so the deviations keep summing to zero.
+    """
+    return [(c + rate * jnp.where(m, x - mu, 0)).astype(c.dtype)
+            for x, mu, m, c in zip(sent, means, summed, deviations)]
 
 
 def _picked_params(params: Any, skippable: list[bool]) -> list[jax.Array]:

@@ -100,9 +100,14 @@ def _with_empty(restored: Any, like: Any) -> Any:
         treedef, [empty(x) if np.size(x) == 0 else next(stored) for x in leaves])
 
 
+def _per_rank(state: SkipReduceState) -> list[Any]:
+    """The per-rank leaves: error-feedback residuals, control-variate deviations."""
+    return jax.tree_util.tree_leaves((state.residual, state.deviation))
+
+
 def _rows(state: SkipReduceState) -> int | None:
-    """The ranks the error-feedback residuals hold rows for (None: no EF)."""
-    leaves = jax.tree_util.tree_leaves(state.residual)
+    """The ranks the per-rank leaves hold rows for (None: there are none)."""
+    leaves = _per_rank(state)
     return int(np.shape(leaves[0])[0]) if leaves else None
 
 
@@ -116,7 +121,7 @@ def _value(leaf: Any) -> int | None:
 
 
 def _residual_shapes(state: SkipReduceState) -> list[list[int]]:
-    return [list(np.shape(x)) for x in jax.tree_util.tree_leaves(state.residual)]
+    return [list(np.shape(x)) for x in _per_rank(state)]
 
 
 def _settings(opt_state: Any) -> dict[str, Any]:
@@ -224,20 +229,22 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"from those of the optimizer in opt_state_like (fingerprint "
                 f"{want:#010x}). Build skip_reduce with the same num_skip/"
                 "skip_ratio, randomize, normalize, min_size, warmup_steps, "
-                "error_feedback, exact_radial, inner_axis, chunks_per_rank, bucket_bytes, "
-                "accumulate_dtype and check_finite as the run that saved it.")
+                "error_feedback, control_variate, exact_radial, inner_axis, "
+                "chunks_per_rank, bucket_bytes, accumulate_dtype and "
+                "check_finite as the run that saved it.")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
             raise ValueError(
-                f"restore: checkpoint step {step} has error-feedback residuals "
+                f"restore: checkpoint step {step} has per-rank rows (error-"
+                "feedback residuals or control-variate deviations) "
                 f"for {entry['residual_rows']} ranks at {where}, opt_state_like "
-                f"for {rows}. Residuals are per rank: resume on the same "
+                f"for {rows}. They are per rank: resume on the same "
                 "number of data-parallel ranks, with opt_state_like built by "
                 "skipreduce_jax.init_opt_state (tx.init alone makes one row).")
         shapes = _residual_shapes(state)
         if entry.get("residual_shapes", shapes) != shapes:
             raise ValueError(
-                f"restore: the error-feedback residuals of checkpoint step "
+                f"restore: the per-rank rows of checkpoint step "
                 f"{step} at {where} have shapes {entry['residual_shapes']}, "
                 f"those of opt_state_like {shapes}: the leaves skipped differ "
                 "(selective or min_size changed, or other params). Build "

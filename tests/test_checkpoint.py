@@ -25,14 +25,15 @@ RESUME_SCRIPT_T = 3  # T of checkpoint_resume.py: it saves steps T and 2T
 
 
 def _make_tx(num_skip: int = 5, error_feedback: bool = True,
-             min_size: int = 0, selective: Any = None) -> Any:
+             min_size: int = 0, selective: Any = None,
+             control_variate: float | None = None) -> Any:
     # Random SkipReduce with error feedback (the residuals carry state) and a
     # warmup that ends before the checkpoint: steps 2..2T-1 skip.
     return optax.chain(
         sr.skip_reduce("data", num_skip=num_skip, seed=7, min_size=min_size,
                        selective=selective,
                        warmup_steps=2, error_feedback=error_feedback,
-                       chunks_per_rank=4),
+                       control_variate=control_variate, chunks_per_rank=4),
         optax.adam(0.05))
 
 
@@ -128,6 +129,22 @@ def test_resume_with_a_leaf_that_is_never_skipped(mesh, tmp_path):
     assert step_fn._cache_size() == 1
 
 
+def test_resume_is_bit_identical_with_control_variates(mesh, tmp_path):
+    kw = dict(error_feedback=False, control_variate=0.5)
+    _, params, opt_state, step_fn = _fresh(mesh, **kw)
+    params, opt_state = _run(step_fn, params, opt_state, mesh, 0, T)
+    checkpoint.save(tmp_path, T, params, opt_state)
+    final = _host(_run(step_fn, params, opt_state, mesh, T, 2 * T))
+    assert np.any(final[1][0].deviation["w"] != 0)  # the rows carry state
+    _, params, opt_state, step_fn = _fresh(mesh, seed=123, **kw)
+    step, params, opt_state = checkpoint.restore(
+        tmp_path, params_like=params, opt_state_like=opt_state)
+    assert step == T
+    _assert_trees_equal(_host(_run(step_fn, params, opt_state, mesh, T, 2 * T)),
+                        final)
+    assert step_fn._cache_size() == 1
+
+
 def test_restored_state_and_placement(mesh, uninterrupted):
     directory, saved_state, _, _ = uninterrupted
     _, params_like, state_like, _ = _fresh(mesh)
@@ -202,7 +219,7 @@ def test_restore_refuses_residuals_of_other_leaves(mesh, uninterrupted):
     # selective is not in the fingerprint (it may be a callable); excluding
     # "b" now gives it an empty residual where the checkpoint has a full one.
     _, params, opt_state, _ = _fresh(mesh, selective=sr.exclude("b"))
-    with pytest.raises(ValueError, match=r"residuals of checkpoint step 4 at "
+    with pytest.raises(ValueError, match=r"rows of checkpoint step 4 at "
                        r"opt_state\[0\] have shapes .*selective or min_size"):
         checkpoint.restore(uninterrupted[0], params_like=params,
                            opt_state_like=opt_state)
@@ -214,7 +231,7 @@ def test_restore_refuses_another_number_of_ranks(uninterrupted):
     tx = _make_tx()
     params = sr.replicate(_init_params(0), small)
     opt_state = sr.init_opt_state(tx, params, small, "data")
-    with pytest.raises(ValueError, match=r"residuals for 8 ranks .* for 4"):
+    with pytest.raises(ValueError, match=r"rows .* for 8 ranks .* for 4"):
         checkpoint.restore(directory, params_like=params, opt_state_like=opt_state)
 
 
