@@ -27,7 +27,8 @@ exactly ``lax.pmean``), ``bound`` (the information bound above),
 ``random`` (Random SkipReduce, the library's default sub-chunk granularity
 of about 256 elements), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
-``random+ef`` (error feedback), ``random-sel`` (Random with the
+``random+ef`` (error feedback), ``random+cvR`` (``control_variate=R``,
+e.g. ``random+cv0.1``), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
 a full all-reduce), ``random-radial`` (``exact_radial=True``: each output
 channel's update along its weights exact, vectors fully reduced; the default

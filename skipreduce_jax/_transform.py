@@ -193,8 +193,9 @@ def skip_reduce(
         mean is unchanged and unbiased, but what a skipped rank's absence
         costs shrinks from its whole deviation to the change in it. This is
         the remedy for non-IID ranks (each holding other classes or
-        domains). Where the summed ranks' sent values meet the mean, each
-        moves its deviation by ``rate`` times the difference. No extra
+        domains). At each element where rank r is summed, its deviation
+        moves by ``rate`` times (what r sent minus the mean); 0.1 did best
+        in ``benchmarks/convergence.md``, and 1 keeps last step's noise. No extra
         bytes; the deviations live in the state, one row per rank, placed
         like ``error_feedback``'s residual (:func:`state_specs`). Needs
         replicated params and ``normalize="contributors"``; not with

@@ -146,3 +146,23 @@ def test_no_extra_bytes_in_the_compiled_step():
     assert sent[0.2] == pytest.approx(sent[None])
     assert sent[None] == pytest.approx(sr.comm_stats(params, N, skip_ratio=0.5,
                                                      min_size=0).bytes_per_device)
+
+
+def test_exact_radial_stays_exact_with_control_variates():
+    w = np.asarray(jax.random.normal(jax.random.key(2), (64, 8)))
+    grads = _non_iid(3)[..., :512].reshape(3, N, 64, 8)
+    tx = sr.skip_reduce("i", num_skip=K, min_size=0, control_variate=0.1,
+                        exact_radial=True)
+
+    def f(g, w):
+        state, along, exact = tx.init(w), [], []
+        for t in range(g.shape[0]):
+            out, state = tx.update(g[t], state, w)
+            along.append(jnp.sum(out * w, axis=0))
+            exact.append(lax.pmean(jnp.sum(g[t] * w, axis=0), "i"))
+        return jnp.stack(along), jnp.stack(exact), state.deviation[0]
+
+    along, exact, devs = per_rank(f, np.moveaxis(grads, 1, 0), n=N,
+                                  replicated_args=(w,))
+    np.testing.assert_allclose(along, exact, rtol=1e-4, atol=1e-4)
+    assert np.abs(devs).max() > 0.1  # the deviations were on
