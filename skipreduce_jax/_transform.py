@@ -276,7 +276,8 @@ def skip_reduce(
 
     def init_fn(params):
         key = jax.random.key_data(jax.random.key(config.seed))
-        rows = _per_rank_rows(config, params)
+        rows = (_per_rank_rows(config, params)
+                if config.error_feedback or config.control_variate else None)
         if (not config.error_feedback and not warned
                 and not config.radial(params) and _warn_if_batchnorm(config, params)):
             warned.append(True)
