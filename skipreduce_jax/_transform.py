@@ -571,10 +571,11 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
 
 def _follow(sent: list[jax.Array], means: list[jax.Array], summed: list[Any],
             deviations: list[jax.Array], rate: float) -> list[jax.Array]:
-    """Each deviation moved toward ``sent - mean`` where its rank was summed.
+    """Each deviation plus ``rate * (sent - mean)`` where its rank was summed.
 
     Over the ranks summed at an element the moves add up to zero (the mean
-    is their average), so the deviations keep summing to zero.
+    is their average), so the deviations keep summing to zero (up to
+    rounding: a random walk of about sqrt(steps) units in the last place).
     """
     return [(c + rate * jnp.where(m, x - mu, 0)).astype(c.dtype)
             for x, mu, m, c in zip(sent, means, summed, deviations)]
