@@ -574,8 +574,8 @@ def _follow(sent: list[jax.Array], means: list[jax.Array], summed: list[Any],
     """Each deviation plus ``rate * (sent - mean)`` where its rank was summed.
 
     Over the ranks summed at an element the moves add up to zero (the mean
-    is their average), so the deviations keep summing to zero (up to
-    rounding: a random walk of about sqrt(steps) units in the last place).
+    is their average), so the deviations keep summing to zero, up to
+    rounding (float32, deviations of size 3, 10 000 steps: a sum of 3e-6 rms).
     """
     return [(c + rate * jnp.where(m, x - mu, 0)).astype(c.dtype)
             for x, mu, m, c in zip(sent, means, summed, deviations)]
