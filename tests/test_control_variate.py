@@ -166,3 +166,14 @@ def test_exact_radial_stays_exact_with_control_variates():
                                   replicated_args=(w,))
     np.testing.assert_allclose(along, exact, rtol=1e-4, atol=1e-4)
     assert np.abs(devs).max() > 0.1  # the deviations were on
+
+
+def test_a_non_finite_update_leaves_the_deviations_as_they_were():
+    grads = _non_iid(3)
+    grads[2, 5, 7] = np.nan  # rank 5, step 2
+    tx = sr.skip_reduce("i", num_skip=K, min_size=0, control_variate=0.5,
+                        check_finite=True)
+    outs, devs, _ = _run(tx, grads)
+    assert np.isnan(outs[:, 2]).all() and np.isfinite(outs[:, :2]).all()
+    np.testing.assert_array_equal(devs[:, 2], devs[:, 1])
+    assert np.isfinite(devs).all()
