@@ -628,6 +628,9 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
         for name, value in (work.diagnostics(params, state, mesh)
                             if work.diagnostics else {}).items():
             history.setdefault(name, []).append(float(value))
+        deviation = sr.rank_deviation(opt_state)  # skip_reduce's monitor
+        if deviation is not None:
+            history.setdefault("rank_deviation", []).append(deviation)
 
     record(0, math.nan)
     for lo in range(0, steps, eval_every):

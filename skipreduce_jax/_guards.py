@@ -27,7 +27,7 @@ from skipreduce_jax._vma import cast_varying, vma_checked
 _SEEDS = (0x2545F491, 0x9E3779B9)
 
 
-def _mix(h: jax.Array) -> jax.Array:
+def mix32(h: jax.Array) -> jax.Array:
     """MurmurHash3's 32-bit finalizer: a bijection that spreads every bit."""
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x85EBCA6B)
@@ -60,7 +60,7 @@ def _checksums(leaf: jax.Array) -> jax.Array:
     words = _words(leaf)
     position = jnp.arange(words.size, dtype=jnp.uint32)
     return jnp.stack([
-        jnp.sum(_mix(words ^ _mix(position + jnp.uint32(seed))),
+        jnp.sum(mix32(words ^ mix32(position + jnp.uint32(seed))),
                 dtype=jnp.uint32) for seed in _SEEDS])
 
 

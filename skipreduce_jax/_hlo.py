@@ -30,6 +30,10 @@ Replica groups are read in every format XLA prints:
   as ``{'axis_1':(2)2}``): the group spans the named axes (4 devices here).
   Plain ``jax.jit`` programs over sharded inputs (GSPMD) print this form.
 
+Instructions of one kind (other than collective-permute) with the same
+``channel_id``, result and replica groups are one collective, counted once: XLA:TPU's async
+collective fusions repeat it in their start, update and done computations.
+
 An all-reduce, all-gather or reduce-scatter with a ``channel_id`` but not
 ``use_global_device_ids=true`` lists replica ids, and each of its groups
 spans every partition too. A collective whose groups are in a format not
@@ -60,6 +64,11 @@ _ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _CALLEE = re.compile(
     r"\b(body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# The replica groups alone, in each format (for telling copies of one op).
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}"
+                     r"|\[[\d,]*\]<=\[[\d,]*\](?:T\([\d,]*\))?"
+                     r"|mesh\[[^\]]*\](?:, device_ids=\(.*?\))?\s*\{[^}]*\})")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _UNCOUNTED = ("ragged-all-to-all", "collective-broadcast")
 _ANY_COLLECTIVE = re.compile(
@@ -341,6 +350,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
     partitions, replicas = (int(m.group(1)) if m else 1 for m in (
         _PARTITIONS.search(compiled_text), _REPLICAS.search(compiled_text)))
     devices = partitions * replicas
+    counted: set[tuple] = set()  # (kind, channel_id, result arrays, groups)
 
     def visit(name: str, multiplier: int, ops: list[CollectiveOp], depth: int = 0):
         if depth > 64 or name not in computations:
@@ -356,6 +366,16 @@ def collective_traffic(compiled_text: str) -> Traffic:
             if kind in _UNCOUNTED:
                 raise _refuse(line, f"{kind} is not counted (its traffic is not "
                               "fixed by its shapes)")
+            channel = _CHANNEL.search(line)
+            if channel and kind in _KINDS and kind != "collective-permute":
+                # XLA:TPU's async collective fusions repeat one collective in
+                # their start, update and done computations: count it once.
+                groups = _GROUPS.search(line)
+                same = (kind, channel.group(1), tuple(_arrays(result)),
+                        groups.group(1) if groups else None)
+                if same in counted:
+                    continue
+                counted.add(same)
             if kind in _KINDS and not opcode.endswith("-done"):
                 ops.append(_op(kind, line, result, opcode.endswith("-start"),
                                multiplier, devices, partitions))

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
+from skipreduce_jax._monitor import warn_if_non_iid
 from skipreduce_jax._per_rank import per_rank_fields
 from skipreduce_jax._vma import varying_axes
 
@@ -313,6 +314,10 @@ def _default_describe(path: Any) -> str:
     return f"the output at {jax.tree_util.keystr(path) or 'the root'}"
 
 
+# Every this many calls a step checks the last state's rank-deviation monitor.
+_MONITOR_EVERY = 50
+
+
 class DataParallelStep:
     """The callable :func:`data_parallel` returns.
 
@@ -336,9 +341,14 @@ class DataParallelStep:
         self._describe = describe
         self._jitted = jax.jit(self._traced, static_argnums=static_argnums,
                                donate_argnums=donate_argnums)
+        self._calls, self._warned = 0, False
 
     def __call__(self, *args, **kwargs):
         self._no_kwargs(kwargs)
+        self._calls += 1
+        if not self._warned and self._calls % _MONITOR_EVERY == 0:
+            # The state the last step returned, if it is done: no waiting.
+            self._warned = warn_if_non_iid(args, api=self._api)
         args = self._place(args)
         with _mesh_context(self._mesh):
             return self._jitted(*args)

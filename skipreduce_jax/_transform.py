@@ -29,7 +29,7 @@ from jax import lax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
-from skipreduce_jax import _shards
+from skipreduce_jax import _monitor, _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
@@ -60,6 +60,9 @@ class SkipReduceState(NamedTuple):
         rank's running deviation from the mean, subtracted before the ring.
         The deviations sum to zero over the ranks. Shaped and placed as
         ``residual``.
+      monitor: ``monitor`` only (else ``optax.EmptyState()``): a
+        :class:`MonitorState`, replicated; its ``ratio`` says how much the
+        ranks' gradients differ steadily (see :func:`rank_deviation`).
     """
 
     count: jax.Array
@@ -67,6 +70,7 @@ class SkipReduceState(NamedTuple):
     fingerprint: jax.Array
     residual: Any
     deviation: Any = optax.EmptyState()
+    monitor: Any = optax.EmptyState()
 
     # Placed per rank by skipreduce_jax.state_specs.
     per_rank_fields = ("residual", "deviation")
@@ -85,6 +89,7 @@ class _Config:
     warmup_steps: int
     error_feedback: bool
     control_variate: float | None
+    monitor: bool
     exact_radial: bool | None
     inner_axis: str | None
     chunks_per_rank: int | None
@@ -101,6 +106,12 @@ class _Config:
             fields.pop(name)
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
         return zlib.crc32(repr(sorted(fields.items())).encode())
+
+    @property
+    def monitored(self) -> bool:
+        """Whether the state keeps a rank-deviation monitor."""
+        return (self.monitor and self.randomize and not self.error_feedback
+                and not self.params_sharded)
 
     def resolve_num_skip(self, n: int) -> int:
         if self.skip_ratio is not None:
@@ -136,6 +147,7 @@ def skip_reduce(
     warmup_steps: int = 0,
     error_feedback: bool = False,
     control_variate: float | None = None,
+    monitor: bool = True,
     exact_radial: bool | None = None,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
@@ -200,6 +212,15 @@ def skip_reduce(
         like ``error_feedback``'s residual (:func:`state_specs`). Needs
         replicated params and ``normalize="contributors"``; not with
         ``error_feedback``.
+      monitor: estimate, from the update and the schedule alone (no bytes),
+        how much of the update skipping loses to the ranks' steady
+        deviations (non-IID data): one more pass over the update per step
+        and 1029 numbers of replicated state. Read it with
+        :func:`rank_deviation`; the training helpers (:func:`data_parallel`,
+        :func:`make_train_step`, ``skipreduce_jax.nnx``) warn once
+        (:class:`NonIIDWarning`) when it is high. Off with static
+        SkipReduce, ``error_feedback`` and ``params_sharded``, and for
+        params the compiler shards.
       exact_radial: per index of a kernel's last axis (its output channel),
         make the update's component along that channel's weights exact: one
         more all-reduce of a float32 per channel, and vectors (biases, norm
@@ -284,7 +305,8 @@ def skip_reduce(
         return SkipReduceState(
             jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
             residual=rows if config.error_feedback else optax.EmptyState(),
-            deviation=rows if config.control_variate else optax.EmptyState())
+            deviation=rows if config.control_variate else optax.EmptyState(),
+            monitor=_monitor.init() if config.monitored else optax.EmptyState())
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -310,8 +332,8 @@ def _per_rank_rows(config: _Config, params: Any) -> Any:
 
 def _make_config(
     *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
-    min_size, warmup_steps, error_feedback, control_variate, exact_radial,
-    inner_axis,
+    min_size, warmup_steps, error_feedback, control_variate, monitor,
+    exact_radial, inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
     params_sharded,
 ) -> _Config:
@@ -355,7 +377,7 @@ def _make_config(
     flags = {name: checks.check_bool(value, name, api=_API) for name, value in (
         ("randomize", randomize), ("error_feedback", error_feedback),
         ("check_finite", check_finite), ("verify_sync", verify_sync),
-        ("params_sharded", params_sharded))}
+        ("params_sharded", params_sharded), ("monitor", monitor))}
     if exact_radial is not None:
         exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
     if control_variate is not None:
@@ -487,7 +509,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         if deviations is not None:
             left_out = _follow(picked, out, [True] * len(picked), picked_devs,
                                config.control_variate)
-        return out, left_out
+        return out, left_out, state.monitor
 
     def skipped(picked):
         kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
@@ -496,6 +518,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         ar = [g for g, c in zip(picked, picked_scattered) if not c]
         ar_specs = (None if picked_specs is None else
                     [p for p, c in zip(picked_specs, picked_scattered) if not c])
+        monitor = state.monitor
         ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
                      chunks_per_rank=config.chunks_per_rank,
                      normalize=config.normalize,
@@ -508,6 +531,10 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                     if k not in ("normalize", "accumulate_dtype")})
                 ar_left = _follow(ar, ar_out, mask, picked_devs,
                                   config.control_variate)
+            if watch:
+                monitor = _observe(
+                    state.monitor, ar_out, config, n=n, inner=inner, key=key,
+                    num_skip=num_skip)
             if config.radial(params):
                 ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
                                       axes)
@@ -525,15 +552,21 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
             mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
             rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
         return (_merge(picked_scattered, rs_out, ar_out),
-                None if ar_left is None else _merge(picked_scattered, rs_left, ar_left))
+                None if ar_left is None else _merge(picked_scattered, rs_left, ar_left),
+                monitor)
 
+    # The monitor reads the skipped mean of whole leaves: not of leaves the
+    # compiler shards (their pieces are not the ring's), nor of leaves that
+    # differ over other manual axes (its replicated state could not hold it).
+    watch = (config.monitored and picked_specs is None
+             and not _varies_beyond(picked, axes, config.axis_name))
     if not picked or num_skip == 0:
-        reduced, left_out = full(picked)
+        reduced, left_out, monitor = full(picked)
     elif config.warmup_steps > 0:
-        reduced, left_out = lax.cond(state.count < config.warmup_steps, full,
-                                     skipped, picked)
+        reduced, left_out, monitor = lax.cond(
+            state.count < config.warmup_steps, full, skipped, picked)
     else:
-        reduced, left_out = skipped(picked)
+        reduced, left_out, monitor = skipped(picked)
 
     rest = _full_mean([g for g, s in zip(leaves, skippable) if not s],
                       [c for c, s in zip(scattered, skippable) if not s], config)
@@ -566,7 +599,34 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         new_state = new_state._replace(residual=rows)
     elif deviations is not None:
         new_state = new_state._replace(deviation=rows)
+    if config.monitored:
+        new_state = new_state._replace(monitor=monitor)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _varies_beyond(leaves: list[jax.Array], axes: tuple[str, ...],
+                   axis_name: str) -> bool:
+    """Whether a leaf is typed varying over a manual axis not in ``axes``."""
+    if not coll.vma_checked(axis_name):
+        return False
+    return any(coll.varying_axes(g) - set(axes) for g in leaves)
+
+
+def _observe(state: Any, means: list[jax.Array], config: _Config, *, n: int,
+             inner: int, key: jax.Array, num_skip: int) -> Any:
+    """The monitor after this step's skipped mean (unchanged if not finite)."""
+    layout = coll.bucket_layout(
+        means, config.axis_name, key=key, num_skip=num_skip,
+        randomize=config.randomize, inner_axis=config.inner_axis,
+        chunks_per_rank=config.chunks_per_rank, bucket_bytes=config.bucket_bytes)
+    pieces = [(_monitor.piece_sums(means, placed, size=size, salt=i,
+                                   pieces=inner * n * s.chunks_per_rank),
+               s.contribution_matrix())
+              for i, (placed, size, s) in enumerate(layout)]
+    norm = sum(jnp.sum(jnp.square(m.astype(jnp.float32))) for m in means)
+    new = _monitor.observe(state, pieces, norm, n=n, num_skip=num_skip)
+    finite = jnp.isfinite(norm)  # a NaN or Inf anywhere makes it so
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, state)
 
 
 def _follow(sent: list[jax.Array], means: list[jax.Array], summed: list[Any],

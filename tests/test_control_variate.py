@@ -104,8 +104,10 @@ def test_a_non_iid_least_squares_problem_converges_only_with_control_variates():
         opt_state = sr.init_opt_state(tx, params, mesh, "data")
         step = sr.make_train_step(loss, tx, mesh, "data")
         batch = sr.shard_batch(targets, mesh, "data")
-        for _ in range(80):
-            params, opt_state, _ = step(params, opt_state, batch)
+        for t in range(80):
+            params, opt_state, value = step(params, opt_state, batch)
+            if t % 10 == 9:  # CPU collectives time out with too many queued
+                float(value)
         distance[rate] = float(np.abs(np.asarray(params["w"]) - optimum).max())
     assert distance[None] > 0.1
     assert distance[0.5] < 1e-3

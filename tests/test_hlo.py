@@ -319,3 +319,44 @@ def test_a_conditional_counts_the_branch_that_sends_the_most():
 
     traffic = _traffic(fn, n, size)
     assert traffic.bytes_per_device() == pytest.approx(size * 4)
+
+
+_TPU_ASYNC_FUSION = """HloModule m, num_partitions=8
+
+%start (p: f32[1,4096]) -> (f32[1,4096], f32[8,4096]) {
+  %p = f32[1,4096]{1,0} parameter(0)
+  %ag = f32[8,4096]{1,0} all-gather(%p), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  ROOT %s = (f32[1,4096]{1,0}, f32[8,4096]{1,0}) custom-call(%p, %ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%done (p: f32[1,4096]) -> f32[8,4096] {
+  %p = f32[1,4096]{1,0} parameter(0)
+  %ag = f32[8,4096]{1,0:S(1)} all-gather(%p), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  ROOT %d = f32[8,4096]{1,0} custom-call(%p, %ag), custom_call_target="AsyncCollectiveDone"
+}
+
+%other (p: f32[1,4096]) -> f32[8,4096] {
+  %p = f32[1,4096]{1,0} parameter(0)
+  ROOT %ag = f32[8,4096]{1,0} all-gather(%p), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+}
+
+ENTRY %main (x: f32[1,4096]) -> f32[8,4096] {
+  %x = f32[1,4096]{1,0} parameter(0)
+  %f1 = (f32[1,4096]{1,0}, f32[8,4096]{1,0}) fusion(%x), kind=kCustom, calls=%start
+  %f2 = f32[8,4096]{1,0} fusion(%x), kind=kCustom, calls=%done
+  ROOT %f3 = f32[8,4096]{1,0} fusion(%x), kind=kCustom, calls=%other
+}
+"""  # noqa: E501
+
+
+def test_a_tpu_async_collective_fusion_counts_its_collective_once():
+    # XLA:TPU repeats the all-gather (one channel_id) in the start and done
+    # computations of an async collective fusion; another channel is another op.
+    traffic = sr.collective_traffic(_TPU_ASYNC_FUSION)
+    assert traffic.count("all-gather") == 2
+    assert traffic.bytes_per_device() == 2 * 7 * 4096 * 4
+    distinct = _TPU_ASYNC_FUSION.replace("channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, "
+                                         "dimensions={0}, use_global_device_ids=true\n  ROOT %d",
+                                         "channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, "
+                                         "dimensions={0}, use_global_device_ids=true\n  ROOT %d")
+    assert sr.collective_traffic(distinct).count("all-gather") == 3
