@@ -30,8 +30,8 @@ Replica groups are read in every format XLA prints:
   as ``{'axis_1':(2)2}``): the group spans the named axes (4 devices here).
   Plain ``jax.jit`` programs over sharded inputs (GSPMD) print this form.
 
-Instructions of one kind (other than collective-permute) with the same
-``channel_id``, result and replica groups are one collective, counted once: XLA:TPU's async
+Inside fusions, instructions of one kind with the same ``channel_id``,
+result and replica groups are one collective, counted once: XLA:TPU's async
 collective fusions repeat it in their start, update and done computations.
 
 An all-reduce, all-gather or reduce-scatter with a ``channel_id`` but not
@@ -352,7 +352,8 @@ def collective_traffic(compiled_text: str) -> Traffic:
     devices = partitions * replicas
     counted: set[tuple] = set()  # (kind, channel_id, result arrays, groups)
 
-    def visit(name: str, multiplier: int, ops: list[CollectiveOp], depth: int = 0):
+    def visit(name: str, multiplier: int, ops: list[CollectiveOp], depth: int = 0,
+              fused: bool = False):
         if depth > 64 or name not in computations:
             return
         for line in computations[name]:
@@ -367,7 +368,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
                 raise _refuse(line, f"{kind} is not counted (its traffic is not "
                               "fixed by its shapes)")
             channel = _CHANNEL.search(line)
-            if channel and kind in _KINDS and kind != "collective-permute":
+            if fused and channel and kind in _KINDS:
                 # XLA:TPU's async collective fusions repeat one collective in
                 # their start, update and done computations: count it once.
                 groups = _GROUPS.search(line)
@@ -384,7 +385,8 @@ def collective_traffic(compiled_text: str) -> Traffic:
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1
-                visit(callee, multiplier * times, ops, depth + 1)
+                visit(callee, multiplier * times, ops, depth + 1,
+                      fused or opcode == "fusion")
             branches = _BRANCHES.search(line)
             if branches:
                 # One branch runs: count the one that sends the most.

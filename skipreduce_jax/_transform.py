@@ -214,13 +214,14 @@ def skip_reduce(
         ``error_feedback``.
       monitor: estimate, from the update and the schedule alone (no bytes),
         how much of the update skipping loses to the ranks' steady
-        deviations (non-IID data): one more pass over the update per step
-        and 1029 numbers of replicated state. Read it with
-        :func:`rank_deviation`; the training helpers (:func:`data_parallel`,
+        deviations (non-IID data): it reads at most 64 elements of each ring
+        piece per step and keeps 1028 numbers of replicated state. Read it
+        with :func:`rank_deviation` (from the 200th skipped step); the
+        training helpers (:func:`data_parallel`,
         :func:`make_train_step`, ``skipreduce_jax.nnx``) warn once
-        (:class:`NonIIDWarning`) when it is high. Off with static
-        SkipReduce, ``error_feedback`` and ``params_sharded``, and for
-        params the compiler shards.
+        (:class:`NonIIDWarning`) above 0.1. Off with static SkipReduce,
+        ``error_feedback`` and ``params_sharded``, and for gradients the
+        compiler shards or that vary over other manual axes.
       exact_radial: per index of a kernel's last axis (its output channel),
         make the update's component along that channel's weights exact: one
         more all-reduce of a float32 per channel, and vectors (biases, norm
@@ -619,13 +620,13 @@ def _observe(state: Any, means: list[jax.Array], config: _Config, *, n: int,
         means, config.axis_name, key=key, num_skip=num_skip,
         randomize=config.randomize, inner_axis=config.inner_axis,
         chunks_per_rank=config.chunks_per_rank, bucket_bytes=config.bucket_bytes)
-    pieces = [(_monitor.piece_sums(means, placed, size=size, salt=i,
-                                   pieces=inner * n * s.chunks_per_rank),
-               s.contribution_matrix())
-              for i, (placed, size, s) in enumerate(layout)]
-    norm = sum(jnp.sum(jnp.square(m.astype(jnp.float32))) for m in means)
+    sums = [_monitor.piece_sums(means, placed, size=size, salt=i,
+                                pieces=inner * n * s.chunks_per_rank)
+            for i, (placed, size, s) in enumerate(layout)]
+    pieces = [(y, s.contribution_matrix()) for (y, _), (_, _, s) in zip(sums, layout)]
+    norm = sum(squares for _, squares in sums)
     new = _monitor.observe(state, pieces, norm, n=n, num_skip=num_skip)
-    finite = jnp.isfinite(norm)  # a NaN or Inf anywhere makes it so
+    finite = jnp.isfinite(norm)  # False if an element read is NaN or Inf
     return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, state)
 
 

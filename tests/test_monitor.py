@@ -138,6 +138,8 @@ def test_the_monitor_sends_no_bytes():
         text = step.lower(grads, state).compile().as_text()
         sent[monitor] = sr.collective_traffic(text).bytes_per_device()
     assert sent[True] == sent[False]
+    assert sent[False] == pytest.approx(sr.comm_stats(params, N, skip_ratio=0.5,
+                                                      min_size=0).bytes_per_device)
 
 
 def _least_squares(non_iid):
@@ -146,7 +148,7 @@ def _least_squares(non_iid):
     rng = np.random.default_rng(0)
     w_true = rng.normal(size=(256, 16)).astype(np.float32)
     skew = rng.normal(size=(N, 1, 256, 16)).astype(np.float32)
-    skew = 0.5 * (skew - skew.mean(0)) * non_iid
+    skew = 2.0 * (skew - skew.mean(0)) * non_iid
 
     def batch(t):
         x = rng.normal(size=(N * 32, 256)).astype(np.float32)
@@ -183,3 +185,27 @@ def test_the_training_step_warns_once_on_non_iid_ranks(non_iid):
     else:
         assert ratio < _monitor.WARN_RATIO / 5
         assert not found
+
+
+def test_the_nnx_step_reads_the_monitor_out_of_its_variables():
+    nnx = pytest.importorskip("flax.nnx")
+    srnnx = pytest.importorskip("skipreduce_jax.nnx")
+    mesh = jax.make_mesh((N,), ("data",))
+    model = nnx.Linear(256, 16, rngs=nnx.Rngs(0))
+    tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0), optax.sgd(0.01))
+    optimizer = srnnx.init_optimizer(model, tx, mesh, "data")
+    batch = _least_squares(True)
+
+    def train_step(model, optimizer, b):
+        x, y, skew = b
+        loss = lambda m: (jnp.mean((m(x) - y) ** 2)  # noqa: E731
+                          + jnp.sum(skew[0] * m.kernel[...]))
+        value, grads = srnnx.local_value_and_grad(loss, "data")(model)
+        optimizer.update(model, grads)
+        return jax.lax.pmean(value, "data")
+
+    step = srnnx.data_parallel(train_step, mesh, batch_argnums=2)
+    with pytest.warns(sr.NonIIDWarning, match="control_variate=0.1"):
+        for t in range(251):
+            float(step(model, optimizer, batch(t)))
+    assert sr.rank_deviation(optimizer.opt_state) > _monitor.WARN_RATIO
