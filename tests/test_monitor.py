@@ -209,3 +209,21 @@ def test_the_nnx_step_reads_the_monitor_out_of_its_variables():
         for t in range(251):
             float(step(model, optimizer, batch(t)))
     assert sr.rank_deviation(optimizer.opt_state) > _monitor.WARN_RATIO
+
+
+@pytest.mark.parametrize("kw", [{}, dict(control_variate=0.1, warmup_steps=2)])
+def test_the_monitor_never_changes_the_update(kw):
+    grads = np.random.default_rng(0).normal(size=(6, N, 4096)).astype(np.float32)
+
+    def f(g):
+        out = []
+        for monitor in (False, True):
+            tx = _tx(monitor=monitor, **kw)
+            state = tx.init(jnp.zeros(4096))
+            for t in range(6):
+                u, state = tx.update(g[t], state)
+            out.append(u)
+        return jnp.stack(out)
+
+    outs = per_rank(f, np.moveaxis(grads, 1, 0), n=N)
+    np.testing.assert_array_equal(outs[:, 1], outs[:, 0])
