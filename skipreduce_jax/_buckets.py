@@ -63,6 +63,10 @@ class BucketPlan:
     dtypes: tuple[np.dtype, ...]
     buckets: tuple[Bucket, ...]
 
+    def starts(self, bucket: Bucket) -> np.ndarray:
+        """Where each leaf of ``bucket`` starts in its flat buffer, then the end."""
+        return np.cumsum([0] + [math.prod(self.shapes[i]) for i in bucket.leaf_indices])
+
     def pack(self, leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
         """Concatenates a bucket's leaves into one padded 1-D buffer."""
         if len(bucket.leaf_indices) == 1 and bucket.padded_size == bucket.size:
@@ -73,8 +77,7 @@ class BucketPlan:
         # zero buffer into a pad, a pass over the whole buffer, which is
         # cheapest when most of it is that leaf's values (a 17 MB bucket of
         # summed leaves on CPU: 5.7 ms against 17.8 ms in tree order).
-        starts = np.cumsum([0] + [math.prod(self.shapes[i])
-                                  for i in bucket.leaf_indices])
+        starts = self.starts(bucket)
         order = sorted(range(len(bucket.leaf_indices)),
                        key=lambda j: starts[j] - starts[j + 1])
         buffer = jnp.zeros((bucket.padded_size,), bucket.dtype)

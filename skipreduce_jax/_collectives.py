@@ -719,13 +719,8 @@ def bucket_layout(x: Any, axis_name: str, *, key: Any, num_skip: int,
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, api="bucket_layout")
-    layout = []
-    for bucket, schedule in zip(plan.buckets, schedules):
-        starts = np.cumsum([0] + [int(np.prod(plan.shapes[i]))
-                                  for i in bucket.leaf_indices])
-        layout.append((list(zip(bucket.leaf_indices, starts[:-1].tolist())),
-                       bucket.padded_size, schedule))
-    return layout
+    return [(list(zip(b.leaf_indices, plan.starts(b)[:-1].tolist())), b.padded_size, s)
+            for b, s in zip(plan.buckets, schedules)]
 
 
 

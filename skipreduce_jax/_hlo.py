@@ -31,7 +31,7 @@ Replica groups are read in every format XLA prints:
   Plain ``jax.jit`` programs over sharded inputs (GSPMD) print this form.
 
 Inside fusions, instructions of one kind with the same ``channel_id``,
-result and replica groups are one collective, counted once: XLA:TPU's async
+result and group size are one collective, counted once: XLA:TPU's async
 collective fusions repeat it in their start, update and done computations.
 
 An all-reduce, all-gather or reduce-scatter with a ``channel_id`` but not
@@ -65,10 +65,6 @@ _CALLEE = re.compile(
     r"\b(body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
-# The replica groups alone, in each format (for telling copies of one op).
-_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}"
-                     r"|\[[\d,]*\]<=\[[\d,]*\](?:T\([\d,]*\))?"
-                     r"|mesh\[[^\]]*\](?:, device_ids=\(.*?\))?\s*\{[^}]*\})")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _UNCOUNTED = ("ragged-all-to-all", "collective-broadcast")
 _ANY_COLLECTIVE = re.compile(
@@ -350,7 +346,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
     partitions, replicas = (int(m.group(1)) if m else 1 for m in (
         _PARTITIONS.search(compiled_text), _REPLICAS.search(compiled_text)))
     devices = partitions * replicas
-    counted: set[tuple] = set()  # (kind, channel_id, result arrays, groups)
+    counted: set[tuple] = set()  # (kind, channel_id, result arrays, group size)
 
     def visit(name: str, multiplier: int, ops: list[CollectiveOp], depth: int = 0,
               fused: bool = False):
@@ -371,9 +367,8 @@ def collective_traffic(compiled_text: str) -> Traffic:
             if fused and channel and kind in _KINDS:
                 # XLA:TPU's async collective fusions repeat one collective in
                 # their start, update and done computations: count it once.
-                groups = _GROUPS.search(line)
                 same = (kind, channel.group(1), tuple(_arrays(result)),
-                        groups.group(1) if groups else None)
+                        _group_size(line, kind, devices, partitions))
                 if same in counted:
                     continue
                 counted.add(same)

@@ -96,8 +96,10 @@ def _signs(index: jax.Array, salt: int) -> jax.Array:
 def _whitener(n: int, num_skip: int) -> np.ndarray:
     """``(K^+)^(1/2)``, ``K`` the covariance of ``z`` over the N windows.
 
-    Ring chunk ``c`` sums the ranks ``c, c - 1, ..., c - (N - 1 - k)``, and a
-    piece rides in each chunk with probability 1 / N.
+    Ring chunk ``c`` sums the ranks ``c, c - 1, ..., c - (N - 1 - k)``
+    (``SkipSchedule.contributes``; plain numpy here, as this runs at trace
+    time, also for compile-only devices), and a piece rides in each chunk
+    with probability 1 / N.
     """
     windows = np.zeros((n, n))
     for c in range(n):
