@@ -24,8 +24,9 @@ The table reports the median over ``--seeds`` and every seed's value.
 
 Variants (``--variants``): ``all-reduce`` (``skip_reduce(num_skip=0)``,
 exactly ``lax.pmean``), ``bound`` (the information bound above),
-``random`` (Random SkipReduce, the library's default sub-chunk granularity
-of about 256 elements), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
+``random`` (Random SkipReduce with the defaults: balanced schedules, sub-chunks
+of about 256 elements), ``random-iid`` (``balanced=False``: the paper's
+schedule, drawn afresh every step), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
 ``random+ef`` (error feedback), ``random+cvR`` (``control_variate=R``,
 e.g. ``random+cv0.1``), ``random-sel`` (Random with the
@@ -102,13 +103,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS = "data"
 WORKLOADS = ("mlp", "mlp-noniid", "cnn-bn", "lm")
 OPTIMIZERS = ("sgd", "adamw")
-VARIANTS = ("all-reduce", "bound", "random", "random-c1", "random-c4", "static",
+VARIANTS = ("all-reduce", "bound", "random", "random-iid", "random-c1", "random-c4", "static",
             "random+ef", "random-sel", "random-radial", "random-noradial")
 DEFAULT_VARIANTS = VARIANTS[:VARIANTS.index("random-sel")]
 LABELS = {
     "all-reduce": "all-reduce",
     "bound": "information bound",
-    "random": "Random (default sub-chunks)",
+    "random": "Random (the defaults: balanced)",
+    "random-iid": "Random, balanced=False (the paper's)",
     "static": "static",
     "random+ef": "Random + error feedback",
     "random-sel": "Random, selective",
@@ -442,6 +444,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
         kwargs["randomize"] = False
+    elif variant == "random-iid":
+        kwargs["balanced"] = False
     elif variant == "random+ef":
         kwargs["error_feedback"] = True
     elif variant in ("random-radial", "random-noradial"):

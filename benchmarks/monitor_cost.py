@@ -61,7 +61,8 @@ def measure(elements: int, repeats: int, monitor: bool, platform: str
     mesh = jax.sharding.Mesh(np.array(devices(platform)), ("data",))
     shapes = leaf_shapes(elements)
     params = {k: zeros(s) for k, s in shapes.items()}
-    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0, monitor=monitor)
+    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0, monitor=monitor,
+                        balanced=False)  # the monitor watches the paper's schedule
     state = tx.init(params)
 
     def f(g, state):

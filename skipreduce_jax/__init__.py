@@ -35,8 +35,11 @@ from skipreduce_jax._parallel import data_parallel as data_parallel
 from skipreduce_jax._parallel import rank_key as rank_key
 from skipreduce_jax._schedule import ScatterSchedule as ScatterSchedule
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
+from skipreduce_jax._schedule import balanced_draw as balanced_draw
 from skipreduce_jax._schedule import make_scatter_schedule as make_scatter_schedule
 from skipreduce_jax._schedule import make_schedule as make_schedule
+from skipreduce_jax._schedule import ring_period as ring_period
+from skipreduce_jax._schedule import scatter_period as scatter_period
 from skipreduce_jax._selection import by_path as by_path
 from skipreduce_jax._selection import exclude as exclude
 from skipreduce_jax._stats import CommStats as CommStats

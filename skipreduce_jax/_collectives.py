@@ -111,12 +111,13 @@ def as_typed_key(key: Any, *, api: str) -> jax.Array:
         "step count so that it is identical on every rank.")
 
 
-def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str):
+def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str,
+                          name: str = "key"):
     varying = varying_axes(key) & set(axes)
     if varying:
         raise ValueError(
-            f"{api}: key varies over {sorted(varying)}. SkipReduce needs the "
-            "same key on every rank (derive it from a seed and the step count, "
+            f"{api}: {name} varies over {sorted(varying)}. SkipReduce needs the "
+            f"same {name} on every rank (derive it from a seed and the step count, "
             "never from axis_index), or ranks would disagree on what to drop.")
 
 
@@ -146,6 +147,7 @@ def _plan(
     chunks_per_rank: int | None,
     bucket_bytes: int,
     api: str,
+    phase: Any = 0,
 ) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
     """Checks arguments, plans buckets, and makes one schedule per bucket."""
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -160,6 +162,8 @@ def _plan(
         key = as_typed_key(key, api=api)
         _check_key_replicated(key, (axis_name,) + ((inner_axis,) if inner_axis
                                                     else ()), api)
+    if isinstance(phase, jax.Array):
+        _check_key_replicated(phase, _both(axis_name, inner_axis), api, "phase")
     plan = plan_buckets(tree, group_size=n, slot_divisor=inner,
                         bucket_bytes=bucket_bytes,
                         chunks_per_rank=chunks_per_rank)
@@ -169,7 +173,7 @@ def _plan(
             num_skip=num_skip,
             chunks_per_rank=b.chunks_per_rank,
             key=jax.random.fold_in(key, i) if needs_key else None,
-            randomize=randomize)
+            randomize=randomize, phase=phase)
         for i, b in enumerate(plan.buckets)
     ]
     return plan, schedules, n, inner
@@ -191,6 +195,7 @@ def _reduce(
     api: str,
     specs: Any = None,
     with_left_out: bool = False,
+    phase: Any = 0,
 ) -> Any:
     """The shared body of the public reductions.
 
@@ -205,15 +210,16 @@ def _reduce(
                   scale=scale, chunks_per_rank=chunks_per_rank,
                   bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
                   gather=gather, api=api, with_left_out=with_left_out)
-    sharded = _sharded(tree, axis_name, inner_axis, specs, key, api,
-                       lambda local, k: _reduce(local, axis_name, key=k, **kwargs),
+    sharded = _sharded(tree, axis_name, inner_axis, specs, key, phase, api,
+                       lambda local, k, ph: _reduce(local, axis_name, key=k, phase=ph,
+                                                    **kwargs),
                        num_outputs=2 if with_left_out else 1)
     if sharded is not None:
         return sharded
     plan, schedules, n, inner = _plan(
         tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api)
+        bucket_bytes=bucket_bytes, api=api, phase=phase)
     checks.check_choice(gather, "gather", GATHER_CHOICES, api=api)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
     leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
@@ -308,8 +314,8 @@ def full_psum_scatter(x: jax.Array, axis_name: str, inner_axis: str | None
 
 
 def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
-             key: Any, api: str, reduce: Any, num_outputs: int) -> Any:
-    """``reduce(tree, key)`` on local shards, or None when no leaf is sharded.
+             key: Any, phase: Any, api: str, reduce: Any, num_outputs: int) -> Any:
+    """``reduce(tree, key, phase)`` on local shards, or None when no leaf is sharded.
 
     ``reduce`` returns ``num_outputs`` trees shaped like ``tree`` (a bare
     tree for one).
@@ -328,20 +334,26 @@ def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
     for i, spec in enumerate(per_leaf):
         groups.setdefault(frozenset(_shards.spec_axes(spec)), []).append(i)
 
-    def local(local_leaves, *maybe_key):
+    # A traced key and phase enter the nested shard_map as arguments.
+    extra = [] if key is None else [as_typed_key(key, api=api)]
+    traced_phase = isinstance(phase, jax.Array)
+    if traced_phase:
+        extra.append(phase)
+
+    def local(local_leaves, *args):
         outs = [[None] * len(local_leaves) for _ in range(num_outputs)]
+        k = args[0] if key is not None else None
+        ph = args[-1] if traced_phase else phase
         for g, members in enumerate(groups.values()):
             # Each group its own schedules (the first keeps the key as is).
-            k = maybe_key[0] if maybe_key else None
             out = reduce([local_leaves[i] for i in members],
-                         k if k is None or g == 0 else jax.random.fold_in(k, g))
+                         k if k is None or g == 0 else jax.random.fold_in(k, g), ph)
             for res, got in zip(outs, (out,) if num_outputs == 1 else out,
                                 strict=True):
                 for i, leaf in zip(members, got, strict=True):
                     res[i] = leaf
         return outs[0] if num_outputs == 1 else tuple(outs)
 
-    extra = () if key is None else (as_typed_key(key, api=api),)
     out = _shards.on_local_shards(local, leaves, per_leaf, *extra,
                                   num_outputs=num_outputs)
     if num_outputs == 1:
@@ -463,6 +475,7 @@ def skip_psum(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    phase: Any = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
@@ -491,6 +504,10 @@ def skip_psum(
       num_skip: k, a Python int in [0, N - 1].
       randomize: False is static SkipReduce: the same k ranks are left out
         for a given element whatever the key (biased; for comparison).
+      phase: the step's place in a balanced period: with the key and phase
+        of :func:`balanced_draw` (period :func:`ring_period`), every rank is
+        summed into every element equally often over each period. 0 (the
+        default) uses the key's own draw.
       rescale: multiply by N / (N - k), an unbiased estimate of the psum when
         ``randomize=True``.
       inner_axis: hierarchical mode: a second (fast) axis summed in full;
@@ -533,7 +550,7 @@ def skip_psum(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs)
+        gather=gather, api=api, specs=specs, phase=phase)
 
 
 def skip_pmean(
@@ -543,6 +560,7 @@ def skip_pmean(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    phase: Any = 0,
     normalize: Normalize = "contributors",
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
@@ -559,6 +577,7 @@ def skip_pmean(
       key: as in :func:`skip_psum`.
       num_skip: as in :func:`skip_psum`.
       randomize: as in :func:`skip_psum`.
+      phase: as in :func:`skip_psum`.
       normalize: ``"contributors"`` divides by the N - k ranks summed (keeps
         the gradient's scale); ``"world"`` divides by N (what the authors'
         NCCL implementation does; shrinks the gradient by (N - k) / N). With
@@ -575,7 +594,7 @@ def skip_pmean(
     """
     return _pmean(
         x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
-        normalize=normalize, inner_axis=inner_axis,
+        phase=phase, normalize=normalize, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, gather=gather, specs=specs,
         api="skip_pmean")
@@ -588,7 +607,7 @@ def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
     Takes exactly the arguments of :func:`skip_pmean`. Error feedback keeps
     the second result for the next step; it equals
     ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same
-    ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``inner_axis``,
+    ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``, ``inner_axis``,
     ``chunks_per_rank`` and ``bucket_bytes``.
 
     Args:
@@ -626,7 +645,7 @@ skip_pmean_and_left_out.__signature__ = inspect.signature(skip_pmean).replace(
 
 
 def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
-           randomize: bool = True, normalize: Normalize = "contributors",
+           randomize: bool = True, phase: Any = 0, normalize: Normalize = "contributors",
            inner_axis: str | None = None, chunks_per_rank: int | None = None,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
@@ -640,7 +659,8 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs, with_left_out=with_left_out)
+        gather=gather, api=api, specs=specs, with_left_out=with_left_out,
+        phase=phase)
 
 
 def contribution_mask(
@@ -650,6 +670,7 @@ def contribution_mask(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    phase: Any = 0,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -657,7 +678,7 @@ def contribution_mask(
 ) -> Any:
     """Which of this rank's values :func:`skip_psum` sums.
 
-    With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``,
+    With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``,
     ``inner_axis``, ``chunks_per_rank``, ``bucket_bytes`` and ``specs`` (the only
     arguments that decide who is summed), it asks the same bucket plan and
     schedules that :func:`skip_psum` uses, so the two always agree. Error
@@ -669,6 +690,7 @@ def contribution_mask(
       key: as in :func:`skip_psum`.
       num_skip: as in :func:`skip_psum`.
       randomize: as in :func:`skip_psum`.
+      phase: as in :func:`skip_psum`.
       inner_axis: as in :func:`skip_psum`; a device's value is summed when its
         outer rank's share is.
       chunks_per_rank: as in :func:`skip_psum`.
@@ -682,16 +704,16 @@ def contribution_mask(
     api = "contribution_mask"
     kwargs = dict(num_skip=num_skip, randomize=randomize, inner_axis=inner_axis,
                   chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes)
-    sharded = _sharded(x, axis_name, inner_axis, specs, key, api,
-                       lambda local, k: contribution_mask(local, axis_name, key=k,
-                                                          **kwargs),
+    sharded = _sharded(x, axis_name, inner_axis, specs, key, phase, api,
+                       lambda local, k, ph: contribution_mask(local, axis_name, key=k,
+                                                              phase=ph, **kwargs),
                        num_outputs=1)
     if sharded is not None:
         return sharded
     plan, schedules, n, inner = _plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api)
+        bucket_bytes=bucket_bytes, api=api, phase=phase)
     rank = lax.axis_index(axis_name)
     masks = []
     for bucket, schedule in zip(plan.buckets, schedules):
@@ -702,7 +724,7 @@ def contribution_mask(
 
 
 def bucket_layout(x: Any, axis_name: str, *, key: Any, num_skip: int,
-                  randomize: bool = True, inner_axis: str | None = None,
+                  randomize: bool = True, phase: Any = 0, inner_axis: str | None = None,
                   chunks_per_rank: int | None = None,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES
                   ) -> list[tuple[list[tuple[int, int]], int, SkipSchedule]]:
@@ -718,7 +740,7 @@ def bucket_layout(x: Any, axis_name: str, *, key: Any, num_skip: int,
     plan, schedules, _, _ = _plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api="bucket_layout")
+        bucket_bytes=bucket_bytes, api="bucket_layout", phase=phase)
     return [(list(zip(b.leaf_indices, plan.starts(b)[:-1].tolist())), b.padded_size, s)
             for b, s in zip(plan.buckets, schedules)]
 
@@ -731,7 +753,7 @@ def bucket_layout(x: Any, axis_name: str, *, key: Any, num_skip: int,
 
 def _scatter_plan(x: Any, axis_name: str, *, inner_axis: str | None,
                   num_skip: int, key: Any, randomize: bool, bucket_bytes: int,
-                  api: str
+                  api: str, phase: Any = 0
                   ) -> tuple[BlockPlan, list[ScatterSchedule], list[jax.Array]]:
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
     checks.check_bool(randomize, "randomize", api=api,
@@ -749,12 +771,14 @@ def _scatter_plan(x: Any, axis_name: str, *, inner_axis: str | None,
     if needs_key or key is not None:
         key = as_typed_key(key, api=api)
         _check_key_replicated(key, _both(axis_name, inner_axis), api)
+    if isinstance(phase, jax.Array):
+        _check_key_replicated(phase, _both(axis_name, inner_axis), api, "phase")
     # Hierarchical: N * L blocks, block o * L + i for device (o, i), the
     # order of P((axis_name, inner_axis)).
     plan = plan_blocks(x, group_size=n * inner, bucket_bytes=bucket_bytes)
     schedules = [
         make_scatter_schedule(
-            n, num_skip=num_skip, randomize=randomize,
+            n, num_skip=num_skip, randomize=randomize, phase=phase,
             key=jax.random.fold_in(key, i) if needs_key else None)
         for i in range(len(plan.buckets))]
     return plan, schedules, leaves
@@ -766,7 +790,8 @@ def _both(axis_name: str, inner_axis: str | None) -> tuple[str, ...]:
 
 def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
              num_skip: int, randomize: bool, scale: float | None,
-             bucket_bytes: int, accumulate_dtype: Any, api: str) -> Any:
+             bucket_bytes: int, accumulate_dtype: Any, api: str,
+             phase: Any = 0) -> Any:
     """The shared body of the skipped reduce-scatters."""
     for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
         if leaf.dtype == jnp.bool_:
@@ -774,7 +799,7 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
                             "dtype to count.")
     plan, schedules, leaves = _scatter_plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, bucket_bytes=bucket_bytes, api=api)
+        randomize=randomize, bucket_bytes=bucket_bytes, api=api, phase=phase)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
     axes = _both(axis_name, inner_axis)
     if vma_checked(axis_name):
@@ -808,6 +833,7 @@ def skip_psum_scatter(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    phase: Any = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -843,6 +869,8 @@ def skip_psum_scatter(
       key: a PRNG key identical on every rank (None for static or k = 0).
       num_skip: k, a Python int in [0, N - 1].
       randomize: False is static: the same ranks are left out whatever the key.
+      phase: the step's place in a balanced period (:func:`balanced_draw`
+        with :func:`scatter_period`); 0: the key's own draw.
       rescale: multiply by N / (N - k).
       inner_axis: hierarchical mode: a second (fast) axis reduced in full.
       bucket_bytes: the byte cap of one packed buffer.
@@ -870,7 +898,7 @@ def skip_psum_scatter(
     return _scatter(x, axis_name, inner_axis=inner_axis, key=key,
                     num_skip=num_skip, randomize=randomize, scale=scale,
                     bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-                    api=api)
+                    api=api, phase=phase)
 
 
 def scatter_contribution_mask(
@@ -880,6 +908,7 @@ def scatter_contribution_mask(
     key: Any,
     num_skip: int,
     randomize: bool = True,
+    phase: Any = 0,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Any:
@@ -893,6 +922,7 @@ def scatter_contribution_mask(
       key: as there.
       num_skip: as there.
       randomize: as there.
+      phase: as there.
       inner_axis: as there; the inner axis is summed in full, so a value is
         summed when its outer rank's is.
       bucket_bytes: as there.
@@ -904,7 +934,7 @@ def scatter_contribution_mask(
     api = "scatter_contribution_mask"
     plan, schedules, leaves = _scatter_plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, bucket_bytes=bucket_bytes, api=api)
+        randomize=randomize, bucket_bytes=bucket_bytes, api=api, phase=phase)
     rank = lax.axis_index(axis_name)
     inner = plan.group_size // schedules[0].axis_size if schedules else 1
     per_block = {i: jnp.repeat(s.contributes(rank), inner)  # outer block o * L + i

@@ -3,11 +3,14 @@
 Random SkipReduce costs about what the information bound says when each
 rank's gradient differs from the mean only by noise. When the ranks hold
 different data (non-IID: other classes, other domains), each rank's gradient
-also has a steady deviation, and every skip drops some of it: Random then
-needs far more steps than the bound, or never gets there
-(``benchmarks/convergence.md``); ``control_variate`` is the remedy. This
+also has a steady deviation, and every skip drops some of it: with the
+paper's schedule (``balanced=False``) Random then needs far more steps than
+the bound, or never gets there (``benchmarks/convergence.md``); balanced
+schedules (the default) and ``control_variate`` are the remedies. This
 module measures that steady deviation from what every rank already holds,
-the update and the schedule, so it sends no bytes.
+the update and the schedule, so it sends no bytes. It runs with
+``balanced=False`` only: it assumes each step's schedule drawn afresh, and
+balanced schedules take the error it measures out over each period.
 
 How. At one piece of the ring let ``z_r = 1[rank r is summed] - (N - k) / N``
 and ``u`` the update there (the mean over the ranks summed). The schedule is
@@ -224,10 +227,11 @@ def rank_deviation(opt_state: Any) -> float | None:
     The squared norm of the skipped mean's error from the ranks' steady
     deviations, over the update's squared norm, estimated by ``skip_reduce``
     from the update and the schedule (``monitor=True``, the default). Near 0
-    for IID ranks; above ``WARN_RATIO`` (0.1) Random SkipReduce costs
-    steps beyond the information bound, and ``control_variate=0.1`` is the
-    remedy. Reading it waits for the step that made ``opt_state``; log it
-    with the loss.
+    for IID ranks; above ``WARN_RATIO`` (0.1) Random SkipReduce with
+    ``balanced=False`` costs steps beyond the information bound, and the
+    default ``balanced=True`` or ``control_variate=0.1`` is the remedy.
+    Reading it waits for the step that made ``opt_state``; log it with the
+    loss.
 
     Args:
       opt_state: an optimizer state holding a :class:`SkipReduceState`
@@ -238,7 +242,8 @@ def rank_deviation(opt_state: Any) -> float | None:
       if none monitors or fewer than ``MIN_STEPS`` skipped steps were seen.
 
     Example:
-      >>> tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5), optax.sgd(0.1))
+      >>> tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, balanced=False),
+      ...                  optax.sgd(0.1))
       >>> print(sr.rank_deviation(tx.init({"w": jnp.zeros(4)})))  # no step yet
       None
     """
@@ -281,8 +286,10 @@ def warn_if_non_iid(ratios: list[Any], *, api: str) -> bool:
         f"{api}: the ranks' gradients differ steadily (non-IID data: each rank "
         f"holds other classes or domains), and skipping drops part of that "
         f"each step: an error of {ratio:.0%} of the update's squared norm, "
-        "beyond the information bound's, so Random SkipReduce needs more "
-        "steps than the bound. Pass control_variate=0.1 to skip_reduce, or "
-        "shuffle the data across ranks; monitor=False turns the estimate off.",
+        "beyond the information bound's, so Random SkipReduce with "
+        "balanced=False needs more steps than the bound. Drop balanced=False "
+        "(balanced schedules cancel this error over each period), pass "
+        "control_variate=0.1 to skip_reduce, or shuffle the data across "
+        "ranks; monitor=False turns the estimate off.",
         NonIIDWarning, stacklevel=4)
     return True

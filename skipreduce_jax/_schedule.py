@@ -20,6 +20,16 @@ so every rank's contribution to every element is left out with probability
 one element are always ``k`` neighbours on the ring; only which neighbours
 changes from key to key.
 
+Balanced Random (``phase``): the key is drawn once per *period* of
+``L = N / gcd(N, N - k)`` steps (:func:`ring_period`), and at phase ``p`` of
+the period every offset moves back by ``p (N - k)``, so each element's window
+of summed ranks moves ``N - k`` ranks on. Over the L steps every rank is then
+summed into every element exactly ``L (N - k) / N`` times (at a 50% skip
+ratio: two steps, the second summing exactly the ranks the first left out).
+Each step alone is drawn as before; what a rank's steady deviation from the
+mean puts into one step's skipped mean, the other steps of the period take
+out again (``docs/design.md``, "Balanced schedules").
+
 Everything here is index arithmetic on tiny arrays; the ring, the error
 feedback of the optax transformation and the tests all ask this one object.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +50,56 @@ from skipreduce_jax._checks import check_bool, check_int, check_real
 # sub-chunks per slot it uses.
 MIN_SUBCHUNK_ELEMENTS = 256
 MAX_CHUNKS_PER_RANK = 64
+
+
+def ring_period(axis_size: int, num_skip: int) -> int:
+    """L = N / gcd(N, N - k): the steps after which balanced windows repeat.
+
+    Example:
+        >>> ring_period(8, 4), ring_period(8, 2), ring_period(7, 3), ring_period(8, 0)
+        (2, 4, 7, 1)
+    """
+    return axis_size // math.gcd(axis_size, axis_size - num_skip)
+
+
+def scatter_period(axis_size: int, num_skip: int) -> int:
+    """The same for the skipped reduce-scatter: N - 1 others, N - 1 - k summed.
+
+    Example:
+        >>> scatter_period(8, 4), scatter_period(8, 0)
+        (7, 1)
+    """
+    others, summed = axis_size - 1, axis_size - 1 - num_skip
+    return others // math.gcd(others, summed) if others else 1
+
+
+def balanced_draw(key: jax.Array, step: jax.Array | int, period: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The key and phase of ``step`` under a balanced schedule of ``period``.
+
+    Args:
+        key: the run's key, identical on every rank.
+        step: the step index (an int or int32 scalar).
+        period: :func:`ring_period` or :func:`scatter_period`; 1 gives
+            ``(fold_in(key, step), 0)``, a fresh draw every step.
+
+    Returns:
+        ``(fold_in(key, step // period), step % period)``: pass both to
+        :func:`make_schedule` (or ``skip_psum``'s ``key`` and ``phase``).
+    """
+    step = jnp.asarray(step, jnp.int32)
+    return jax.random.fold_in(key, step // period), step % period
+
+
+def _check_phase(phase: Any, api: str) -> jax.Array:
+    """``phase`` as an int32 scalar, or a clear error."""
+    if isinstance(phase, bool) or not (
+            isinstance(phase, int) or (hasattr(phase, "dtype") and jnp.ndim(phase) == 0
+                                       and jnp.issubdtype(phase.dtype, jnp.integer))):
+        raise TypeError(f"{api}: phase={phase!r} must be an int or an integer "
+                        "scalar array (the step's place in its balanced period, "
+                        "from balanced_draw); 0 uses the key's own draw.")
+    return jnp.asarray(phase, jnp.int32)
 
 
 def default_chunks_per_rank(slot_elements: int) -> int:
@@ -128,6 +189,7 @@ def make_schedule(
         chunks_per_rank: int = 1,
         key: jax.Array | None = None,
         randomize: bool = True,
+        phase: Any = 0,
 ) -> SkipSchedule:
     """Builds the schedule for one buffer.
 
@@ -138,6 +200,9 @@ def make_schedule(
         key: a typed PRNG key, identical on every rank. Needed when
             ``randomize`` and ``num_skip > 0``; ignored otherwise.
         randomize: False gives static SkipReduce (all offsets zero).
+        phase: the step's place in its balanced period (:func:`balanced_draw`):
+            every offset moves back by ``phase * (N - k)``, so the windows of
+            summed ranks move ``N - k`` ranks per phase. 0: the key's draw.
 
     Returns:
         The :class:`SkipSchedule`.
@@ -156,11 +221,13 @@ def make_schedule(
                          maximum=axis_size - 1, type_error=ValueError,
                          what=f"for axis_size={axis_size}")
     randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
+    phase = _check_phase(phase, api)
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
         offsets = jax.random.randint(
                 key, (chunks_per_rank,), 0, axis_size, dtype=jnp.int32)
+        offsets = (offsets - phase * (axis_size - num_skip)) % axis_size
     else:
         offsets = jnp.zeros((chunks_per_rank,), jnp.int32)
     return SkipSchedule(axis_size, num_skip, chunks_per_rank, randomized, offsets)
@@ -204,7 +271,8 @@ class ScatterSchedule:
 
 def make_scatter_schedule(axis_size: int, *, num_skip: int,
                           key: jax.Array | None = None,
-                          randomize: bool = True) -> ScatterSchedule:
+                          randomize: bool = True,
+                          phase: Any = 0) -> ScatterSchedule:
     """Builds the schedule of a skipped reduce-scatter.
 
     Args:
@@ -212,6 +280,10 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
         num_skip: k in ``[0, N - 1]``.
         key: a typed PRNG key identical on every rank (Random only).
         randomize: False: always the ``N - 1 - k`` nearest predecessors.
+        phase: the step's place in its balanced period (:func:`balanced_draw`
+            with :func:`scatter_period`): the key orders the N - 1 others,
+            and phase p sums the ``N - 1 - k`` from place ``p (N - 1 - k)`` on
+            (cyclically), so over the period each is summed equally often.
 
     Returns:
         The :class:`ScatterSchedule`.
@@ -229,11 +301,13 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
                          what=f"for axis_size={axis_size}")
     randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
     sends = axis_size - 1 - num_skip
+    phase = _check_phase(phase, api)
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
         order = jax.random.permutation(key, axis_size - 1).astype(jnp.int32)
-        shifts = jnp.sort(order[:sends]) + 1
+        places = (phase * sends + jnp.arange(sends, dtype=jnp.int32)) % (axis_size - 1)
+        shifts = jnp.sort(order[places]) + 1
     else:
         shifts = jnp.arange(1, sends + 1, dtype=jnp.int32)
     return ScatterSchedule(axis_size, num_skip, randomized, shifts)

@@ -8,9 +8,11 @@ so it is the first element of an ``optax.chain``::
     tx = optax.chain(skip_reduce("data", skip_ratio=0.5), optax.adamw(1e-3))
 
 Per step it derives the key from ``seed`` and the step count in its state
-(``fold_in``), so all ranks and processes agree by construction. Leaves that
-are not selected for skipping (``selective``), leaves smaller than
-``min_size``, and every leaf during ``warmup_steps`` get a full ``lax.pmean``.
+(``fold_in``; with balanced schedules, the default, one key per period of
+steps and the step's phase in it), so all ranks and processes agree by
+construction. Leaves that are not selected for skipping (``selective``),
+leaves smaller than ``min_size``, and every leaf during ``warmup_steps`` get
+a full ``lax.pmean``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
 from skipreduce_jax._radial import exact_radial, radial_ok
-from skipreduce_jax._schedule import skip_ratio_to_num_skip
+from skipreduce_jax._schedule import (
+    balanced_draw,
+    ring_period,
+    scatter_period,
+    skip_ratio_to_num_skip,
+)
 from skipreduce_jax._selection import check_selective, skippable
 
 _API = "skip_reduce"
@@ -45,7 +52,9 @@ class SkipReduceState(NamedTuple):
     """State of :func:`skip_reduce`.
 
     Attributes:
-      count: int32 step counter; the step's key is ``fold_in(key, count)``.
+      count: int32 step counter; the step's key and phase come from it
+        (``balanced_draw``: ``fold_in(key, count // L)`` and ``count % L``, L
+        the period, 1 with ``balanced=False``).
       key: uint32[2] key data made from ``seed``.
       fingerprint: uint32 checksum of the settings (all but ``seed``,
         ``selective`` and ``verify_sync``), so that ranks can check that they
@@ -83,6 +92,7 @@ class _Config:
     skip_ratio: float | None
     seed: int
     randomize: bool
+    balanced: bool
     normalize: str
     selective: Any
     min_size: int
@@ -104,14 +114,16 @@ class _Config:
         fields = dataclasses.asdict(self)
         for name in ("seed", "selective", "verify_sync"):
             fields.pop(name)
+        if not fields["balanced"]:  # so states saved before it existed match
+            fields.pop("balanced")
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
         return zlib.crc32(repr(sorted(fields.items())).encode())
 
     @property
     def monitored(self) -> bool:
         """Whether the state keeps a rank-deviation monitor."""
-        return (self.monitor and self.randomize and not self.error_feedback
-                and not self.params_sharded)
+        return (self.monitor and self.randomize and not self.balanced
+                and not self.error_feedback and not self.params_sharded)
 
     def resolve_num_skip(self, n: int) -> int:
         if self.skip_ratio is not None:
@@ -141,6 +153,7 @@ def skip_reduce(
     skip_ratio: float | None = None,
     seed: int = 0,
     randomize: bool = True,
+    balanced: bool = True,
     normalize: str | None = None,
     selective: Any = None,
     min_size: int = 100_000,
@@ -178,6 +191,17 @@ def skip_reduce(
         (e.g. in ``optax.multi_transform``) different seeds, or their drops
         are correlated.
       randomize: False is static SkipReduce (biased; for comparison).
+      balanced: Random's schedule balanced over periods of L = N / gcd(N,
+        N - k) steps (:func:`ring_period`; 2 at a 50% skip ratio): one key
+        per period, and each step the windows of summed ranks move N - k
+        ranks on, so over a period every rank is summed into every element
+        equally often. Each step's drop is as likely as with False (the
+        paper's schedule, a fresh draw every step), but what a rank's steady
+        deviation from the mean (non-IID data) puts into one step's mean, the
+        period's other steps take out: on non-IID ranks Random then needs
+        fewer steps than the information bound, where with False it never
+        reached the all-reduce's loss (``benchmarks/convergence.md``). No
+        bytes, memory or compute.
       normalize: ``"contributors"`` (divide by the N - k ranks summed; the
         default) or ``"world"`` (divide by N, as the authors' NCCL code).
         Error feedback always uses ``"world"``: every value is delivered once,
@@ -219,9 +243,11 @@ def skip_reduce(
         with :func:`rank_deviation` (from the 200th skipped step); the
         training helpers (:func:`data_parallel`,
         :func:`make_train_step`, ``skipreduce_jax.nnx``) warn once
-        (:class:`NonIIDWarning`) above 0.1. Off with static SkipReduce,
-        ``error_feedback`` and ``params_sharded``, and for gradients the
-        compiler shards or that vary over other manual axes.
+        (:class:`NonIIDWarning`) above 0.1. It measures what the paper's
+        schedule (``balanced=False``) loses; balanced schedules (the default)
+        take that error out over each period, so there it is off, as with
+        static SkipReduce, ``error_feedback`` and ``params_sharded``, and for
+        gradients the compiler shards or that vary over other manual axes.
       exact_radial: per index of a kernel's last axis (its output channel),
         make the update's component along that channel's weights exact: one
         more all-reduce of a float32 per channel, and vectors (biases, norm
@@ -332,7 +358,7 @@ def _per_rank_rows(config: _Config, params: Any) -> Any:
 
 
 def _make_config(
-    *, axis_name, num_skip, skip_ratio, seed, randomize, normalize, selective,
+    *, axis_name, num_skip, skip_ratio, seed, randomize, balanced, normalize, selective,
     min_size, warmup_steps, error_feedback, control_variate, monitor,
     exact_radial, inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
@@ -376,7 +402,8 @@ def _make_config(
     checks.check_distinct_axes(axis_name, inner_axis, api=_API)
     check_selective(selective, api=_API)
     flags = {name: checks.check_bool(value, name, api=_API) for name, value in (
-        ("randomize", randomize), ("error_feedback", error_feedback),
+        ("randomize", randomize), ("balanced", balanced),
+        ("error_feedback", error_feedback),
         ("check_finite", check_finite), ("verify_sync", verify_sync),
         ("params_sharded", params_sharded), ("monitor", monitor))}
     if exact_radial is not None:
@@ -476,7 +503,9 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
             "a BatchNorm) is off. Call tx.update(grads, state, params).",
             BatchNormWarning, stacklevel=2)
     axes = _axes(config)
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
+    base = jax.random.wrap_key_data(state.key)
+    period = ring_period(n, num_skip) if config.balanced else 1
+    key, phase = balanced_draw(base, state.count, period)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
@@ -513,8 +542,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         return out, left_out, state.monitor
 
     def skipped(picked):
-        kw = dict(key=key, num_skip=num_skip, randomize=config.randomize,
-                  bucket_bytes=config.bucket_bytes)
+        kw = dict(key=key, phase=phase, num_skip=num_skip,
+                  randomize=config.randomize, bucket_bytes=config.bucket_bytes)
         rs = [g for g, c in zip(picked, picked_scattered) if c]
         ar = [g for g, c in zip(picked, picked_scattered) if not c]
         ar_specs = (None if picked_specs is None else
@@ -535,15 +564,18 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
             if watch:
                 monitor = _observe(
                     state.monitor, ar_out, config, n=n, inner=inner, key=key,
-                    num_skip=num_skip)
+                    phase=phase, num_skip=num_skip)
             if config.radial(params):
                 ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
                                       axes)
         else:
             ar_out, ar_left = coll.skip_pmean_and_left_out(ar, config.axis_name, **ar_kw)
         count = n - num_skip if config.normalize == "contributors" else n
-        # fold_in: the all-reduce's buckets and these draw different keys.
-        rs_kw = dict(kw, key=jax.random.fold_in(key, 1 << 30))
+        # Its own period; fold_in: the all-reduce's buckets and these draw
+        # different keys.
+        rs_key, rs_phase = balanced_draw(
+            base, state.count, scatter_period(n, num_skip) if config.balanced else 1)
+        rs_kw = dict(kw, key=jax.random.fold_in(rs_key, 1 << 30), phase=rs_phase)
         rs_kw = dict(rs_kw, inner_axis=config.inner_axis)
         rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (count * inner),
                                accumulate_dtype=config.accumulate_dtype,
@@ -614,10 +646,10 @@ def _varies_beyond(leaves: list[jax.Array], axes: tuple[str, ...],
 
 
 def _observe(state: Any, means: list[jax.Array], config: _Config, *, n: int,
-             inner: int, key: jax.Array, num_skip: int) -> Any:
+             inner: int, key: jax.Array, phase: jax.Array, num_skip: int) -> Any:
     """The monitor after this step's skipped mean (unchanged if not finite)."""
     layout = coll.bucket_layout(
-        means, config.axis_name, key=key, num_skip=num_skip,
+        means, config.axis_name, key=key, phase=phase, num_skip=num_skip,
         randomize=config.randomize, inner_axis=config.inner_axis,
         chunks_per_rank=config.chunks_per_rank, bucket_bytes=config.bucket_bytes)
     sums = [_monitor.piece_sums(means, placed, size=size, salt=i,

@@ -26,8 +26,8 @@ def _run(tx, grads, *, seed=0):
             rows = not isinstance(state.deviation, optax.EmptyState)
             c = state.deviation[0] if rows else jnp.zeros_like(params)
             sent = g_t - c
-            key = jax.random.fold_in(jax.random.key(seed), t)
-            summed = sr.contribution_mask(sent, "i", key=key, num_skip=K)
+            key, phase = sr.balanced_draw(jax.random.key(seed), t, sr.ring_period(N, K))
+            summed = sr.contribution_mask(sent, "i", key=key, phase=phase, num_skip=K)
             ref = lax.psum(jnp.where(summed, sent, 0), "i") / (N - K)
             out, state = tx.update(g_t, state)
             return state, (out, state.deviation[0] if rows else c, ref)

@@ -82,7 +82,7 @@ def test_summarize_on_synthetic_curves():
     assert adam["half_batch_cost"] is None
     # The markdown table names every variant and writes "never".
     table = cv.markdown_table(list(rows.values()))
-    assert "| mlp | sgd | 8, 0.5 | 1.38 | Random (default sub-chunks) | 50, never |" in table
+    assert "| mlp | sgd | 8, 0.5 | 1.38 | Random (the defaults: balanced) | 50, never |" in table
     assert table.count("\n") == 2 + len(rows) - 1
 
 

@@ -105,3 +105,21 @@ def test_specs_must_name_compiler_axes():
 
     with pytest.raises(ValueError, match=r"\['model'\] are not mesh axes"):
         _run(fn, AxisType.Auto, _values(), P())
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_a_traced_phase_reaches_the_local_shards(axis_type):
+    # N = 4, k = 2: a period of 2, whose steps sum complementary ranks.
+    x = _values()
+    key = jax.random.key(3)
+
+    def fn(local):
+        outs = []
+        for step in range(2):
+            k, phase = sr.balanced_draw(key, jnp.int32(step), sr.ring_period(N, 2))
+            outs.append(sr.skip_psum(local, "replica", key=k, phase=phase,
+                                     num_skip=2, specs=W_SPEC))
+        return outs[0] + outs[1]
+
+    out, _ = _run(fn, axis_type, x, P())
+    np.testing.assert_allclose(np.asarray(out), x.sum(0), rtol=1e-5, atol=1e-5)
