@@ -186,7 +186,8 @@ def skip_reduce(
         max(10**6, N - 1), so decimal ratios round as written (0.7 of 45
         steps gives 32).
       seed: an int in [0, 2**32); the key of step t is
-        ``fold_in(key(seed), t)``: the same on every rank and process. Use
+        ``fold_in(key(seed), t // L)`` (``balanced_draw``; L = 1 with
+        ``balanced=False``): the same on every rank and process. Use
         the same seed everywhere; give two ``skip_reduce`` in one optimizer
         (e.g. in ``optax.multi_transform``) different seeds, or their drops
         are correlated.

@@ -124,7 +124,7 @@ def test_skip_reduce_passes_accumulate_dtype(dtype):
 
     def f(g):
         updates, _ = tx.update(g, tx.init(g))
-        # The step's key: fold_in(key(seed), count), count = 0 on step one.
+        # Step one's key: fold_in(key(seed), 0 // L), phase 0.
         key = jax.random.fold_in(jax.random.key(seed), 0)
         mask = sr.contribution_mask(g, "i", key=key, num_skip=k,
                                     chunks_per_rank=4)
