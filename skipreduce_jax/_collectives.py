@@ -870,7 +870,8 @@ def skip_psum_scatter(
       num_skip: k, a Python int in [0, N - 1].
       randomize: False is static: the same ranks are left out whatever the key.
       phase: the step's place in a balanced period (:func:`balanced_draw`
-        with :func:`scatter_period`); 0: the key's own draw.
+        with :func:`scatter_period`, not :func:`ring_period`: the scatter
+        cycles through the N - 1 other ranks); 0: the key's own draw.
       rescale: multiply by N / (N - k).
       inner_axis: hierarchical mode: a second (fast) axis reduced in full.
       bucket_bytes: the byte cap of one packed buffer.

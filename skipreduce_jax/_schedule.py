@@ -87,19 +87,27 @@ def balanced_draw(key: jax.Array, step: jax.Array | int, period: int
         ``(fold_in(key, step // period), step % period)``: pass both to
         :func:`make_schedule` (or ``skip_psum``'s ``key`` and ``phase``).
     """
+    period = check_int(period, "period", api="balanced_draw", minimum=1,
+                       type_error=ValueError)
     step = jnp.asarray(step, jnp.int32)
     return jax.random.fold_in(key, step // period), step % period
 
 
-def _check_phase(phase: Any, api: str) -> jax.Array:
-    """``phase`` as an int32 scalar, or a clear error."""
+def _check_phase(phase: Any, api: str, modulus: int) -> jax.Array:
+    """``phase`` modulo ``modulus`` as an int32 scalar, or a clear error.
+
+    Only the phase modulo the windows' cycle matters; reducing it first
+    keeps the products below from wrapping around int32.
+    """
     if isinstance(phase, bool) or not (
             isinstance(phase, int) or (hasattr(phase, "dtype") and jnp.ndim(phase) == 0
                                        and jnp.issubdtype(phase.dtype, jnp.integer))):
         raise TypeError(f"{api}: phase={phase!r} must be an int or an integer "
                         "scalar array (the step's place in its balanced period, "
                         "from balanced_draw); 0 uses the key's own draw.")
-    return jnp.asarray(phase, jnp.int32)
+    if isinstance(phase, int):
+        return jnp.int32(phase % max(modulus, 1))
+    return jnp.asarray(phase, jnp.int32) % max(modulus, 1)
 
 
 def default_chunks_per_rank(slot_elements: int) -> int:
@@ -221,7 +229,7 @@ def make_schedule(
                          maximum=axis_size - 1, type_error=ValueError,
                          what=f"for axis_size={axis_size}")
     randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
-    phase = _check_phase(phase, api)
+    phase = _check_phase(phase, api, axis_size)
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
@@ -301,7 +309,7 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
                          what=f"for axis_size={axis_size}")
     randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
     sends = axis_size - 1 - num_skip
-    phase = _check_phase(phase, api)
+    phase = _check_phase(phase, api, axis_size - 1)
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")

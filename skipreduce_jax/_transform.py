@@ -53,8 +53,9 @@ class SkipReduceState(NamedTuple):
 
     Attributes:
       count: int32 step counter; the step's key and phase come from it
-        (``balanced_draw``: ``fold_in(key, count // L)`` and ``count % L``, L
-        the period, 1 with ``balanced=False``).
+        (``balanced_draw``: ``fold_in(key, t // L)`` and ``t % L``, L the
+        period, ``t = count - warmup_steps``; L = 1 and ``t = count`` with
+        ``balanced=False``).
       key: uint32[2] key data made from ``seed``.
       fingerprint: uint32 checksum of the settings (all but ``seed``,
         ``selective`` and ``verify_sync``), so that ranks can check that they
@@ -185,9 +186,12 @@ def skip_reduce(
         first read as the nearest fraction with a denominator up to
         max(10**6, N - 1), so decimal ratios round as written (0.7 of 45
         steps gives 32).
-      seed: an int in [0, 2**32); the key of step t is
-        ``fold_in(key(seed), t // L)`` (``balanced_draw``; L = 1 with
-        ``balanced=False``): the same on every rank and process. Use
+      seed: an int in [0, 2**32); the key of skipped step t (counted from
+        the end of the warm-up) is ``fold_in(key(seed), t // L)``
+        (``balanced_draw``; the skipped reduce-scatter of ``params_sharded``
+        folds in ``1 << 30`` and uses ``scatter_period``; L = 1 and t the
+        step count with ``balanced=False``): the same on every rank and
+        process. Use
         the same seed everywhere; give two ``skip_reduce`` in one optimizer
         (e.g. in ``optax.multi_transform``) different seeds, or their drops
         are correlated.
@@ -506,7 +510,10 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     axes = _axes(config)
     base = jax.random.wrap_key_data(state.key)
     period = ring_period(n, num_skip) if config.balanced else 1
-    key, phase = balanced_draw(base, state.count, period)
+    # Balanced periods start when skipping does, after the warm-up.
+    skip_step = (jnp.maximum(state.count - config.warmup_steps, 0)
+                 if config.balanced else state.count)
+    key, phase = balanced_draw(base, skip_step, period)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
@@ -575,7 +582,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # Its own period; fold_in: the all-reduce's buckets and these draw
         # different keys.
         rs_key, rs_phase = balanced_draw(
-            base, state.count, scatter_period(n, num_skip) if config.balanced else 1)
+            base, skip_step, scatter_period(n, num_skip) if config.balanced else 1)
         rs_kw = dict(kw, key=jax.random.fold_in(rs_key, 1 << 30), phase=rs_phase)
         rs_kw = dict(rs_kw, inner_axis=config.inner_axis)
         rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (count * inner),

@@ -228,10 +228,12 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"(fingerprint {entry['fingerprint']:#010x} at {where}) differ "
                 f"from those of the optimizer in opt_state_like (fingerprint "
                 f"{want:#010x}). Build skip_reduce with the same num_skip/"
-                "skip_ratio, randomize, normalize, min_size, warmup_steps, "
-                "error_feedback, control_variate, exact_radial, inner_axis, "
-                "chunks_per_rank, bucket_bytes, accumulate_dtype and "
-                "check_finite as the run that saved it.")
+                "skip_ratio, randomize, balanced, normalize, min_size, "
+                "warmup_steps, error_feedback, control_variate, monitor, "
+                "exact_radial, inner_axis, chunks_per_rank, bucket_bytes, "
+                "accumulate_dtype and check_finite as the run that saved it "
+                "(a checkpoint written before balanced schedules became the "
+                "default needs balanced=False).")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
             raise ValueError(

@@ -162,3 +162,71 @@ def test_balanced_false_keeps_the_fingerprints_saved_before_it_existed():
     assert fingerprint(num_skip=3, min_size=0, error_feedback=True,
                        balanced=False) == 0xDF1E1416
     assert fingerprint(skip_ratio=0.5) != 0xF6451C16
+
+
+def test_large_phases_reduce_modulo_the_cycle():
+    key = jax.random.key(2)
+    for n, k in ((8, 4), (7, 3)):
+        for phase in (2**31 + 5, 2**40 + 3, jnp.int32(2**31 - 1)):
+            want = int(phase) % n
+            got = sr.make_schedule(n, num_skip=k, chunks_per_rank=3, key=key, phase=phase)
+            ref = sr.make_schedule(n, num_skip=k, chunks_per_rank=3, key=key, phase=want)
+            np.testing.assert_array_equal(got.offsets, ref.offsets)
+            got = sr.make_scatter_schedule(n, num_skip=k, key=key, phase=phase)
+            ref = sr.make_scatter_schedule(n, num_skip=k, key=key, phase=int(phase) % (n - 1))
+            np.testing.assert_array_equal(got.shifts, ref.shifts)
+
+
+def test_the_scatter_refuses_a_bad_phase_and_balanced_draw_a_bad_period():
+    with pytest.raises(TypeError, match=r"make_scatter_schedule: phase=0.5"):
+        sr.make_scatter_schedule(8, num_skip=2, key=jax.random.key(0), phase=0.5)
+    with pytest.raises(ValueError, match=r"period"):
+        sr.balanced_draw(jax.random.key(0), 3, 0)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_ring_and_its_bookkeeping_agree_at_every_phase(traced):
+    x = np.random.default_rng(3).normal(size=(N, 3000)).astype(np.float32)
+    key = jax.random.key(5)
+
+    def f(v):
+        outs = []
+        for p in range(3):
+            phase = jnp.int32(p) if traced else p
+            kw = dict(key=key, phase=phase, num_skip=3, chunks_per_rank=4)
+            out = sr.skip_psum(v, "i", **kw)
+            mask = sr.contribution_mask(v, "i", **kw)
+            _, left = sr.skip_pmean_and_left_out(v, "i", **kw)
+            ref = jax.lax.psum(jnp.where(mask, v, 0), "i")
+            outs.append(jnp.stack([out - ref, left - jnp.where(mask, 0, v)]))
+        return jnp.stack(outs)
+
+    np.testing.assert_allclose(per_rank(f, x, n=N), 0, atol=1e-4)
+
+
+def test_an_inner_axis_follows_the_phase():
+    # 4 outer x 2 inner ranks, k = 2 of 4: two complementary phases sum
+    # every device exactly once.
+    mesh = jax.make_mesh((4, 2), ("o", "i"))
+    x = np.random.default_rng(4).normal(size=(8, 512)).astype(np.float32)
+    key = jax.random.key(9)
+
+    def f(v):
+        parts = [sr.skip_psum(v[0], "o", inner_axis="i", key=key, phase=p, num_skip=2)
+                 for p in range(sr.ring_period(4, 2))]
+        return sum(parts)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=P(("o", "i")), out_specs=P())
+    out = jax.jit(g)(jax.device_put(x, NamedSharding(mesh, P(("o", "i")))))
+    np.testing.assert_allclose(np.asarray(out), x.sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_balanced_periods_start_after_the_warm_up():
+    # 3 warm-up steps (odd), then the first two skipped steps form a period.
+    grads = np.random.default_rng(2).normal(size=(N, 4096)).astype(np.float32)
+    grads += 3 * np.arange(N, dtype=np.float32)[:, None]
+    tx = sr.skip_reduce("i", num_skip=4, min_size=0, warmup_steps=3)
+    u = _updates(tx, grads, 5)
+    np.testing.assert_allclose(u[:3], np.broadcast_to(grads.mean(0), (3, 4096)), atol=1e-4)
+    assert np.abs(u[3] - grads.mean(0)).max() > 1.0
+    np.testing.assert_allclose((u[3] + u[4]) / 2, grads.mean(0), atol=1e-4)
