@@ -791,8 +791,12 @@ def _both(axis_name: str, inner_axis: str | None) -> tuple[str, ...]:
 def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
              num_skip: int, randomize: bool, scale: float | None,
              bucket_bytes: int, accumulate_dtype: Any, api: str,
-             phase: Any = 0) -> Any:
-    """The shared body of the skipped reduce-scatters."""
+             phase: Any = 0, own_weight: float = 1.0) -> Any:
+    """The shared body of the skipped reduce-scatters.
+
+    ``own_weight``: Random only, the weight of each block owner's own value
+    in its sum (``skip_reduce`` weighs it so the sum is unbiased).
+    """
     for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
         if leaf.dtype == jnp.bool_:
             raise TypeError(f"{api}: got a bool leaf; cast it to an integer "
@@ -815,7 +819,8 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
                 _scatter_column(c.astype(acc_dtype), n, inner_axis)
                 for c in plan.columns(leaves, bucket)])
         row = _ring.reduce_scatter_to_owners(
-            buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype)
+            buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype,
+            own_weight=own_weight)
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))

@@ -84,6 +84,7 @@ def reduce_scatter_to_owners(
     axis_name: str,
     *,
     accumulate_dtype: jnp.dtype,
+    own_weight: float = 1.0,
 ) -> jax.Array:
     """A skipped reduce-scatter that leaves each rank its own block.
 
@@ -100,6 +101,8 @@ def reduce_scatter_to_owners(
       schedule: the plan for this buffer.
       axis_name: the axis.
       accumulate_dtype: dtype of the sums (and of what is sent).
+      own_weight: Random only: the owner's own piece enters the sum times
+        this (the others are always summed with weight 1).
 
     Returns:
       ``[M]``: block ``rank``, summed over ``N - k`` ranks, itself included.
@@ -125,6 +128,8 @@ def reduce_scatter_to_owners(
         return acc + lax.switch(shift - 1, branches, piece)
 
     own = lax.dynamic_index_in_dim(pieces, rank, 0, keepdims=False)
+    if own_weight != 1.0:
+        own = own * jnp.asarray(own_weight, accumulate_dtype)
     return _loop(n - 1 - schedule.num_skip, body, own)
 
 

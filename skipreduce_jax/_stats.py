@@ -132,8 +132,8 @@ def comm_stats(
         for b in plan.buckets) / inner
     rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
                      zip(sizes, leaves, skippable) if not ok) / inner
-    if config.radial(like):  # one float32 per output channel, all-reduced
-        rest_bytes += sum(4 * np.shape(x)[-1] for x in picked) / inner
+    if config.radial(like):  # two float32 per output channel, all-reduced
+        rest_bytes += sum(2 * 4 * np.shape(x)[-1] for x in picked) / inner
     sent = skip_sent + traffic.ring_allreduce_bytes(rest_bytes, n)
     full = traffic.ring_allreduce_bytes(full_bytes, n)
     skipped = sum(s for s, ok in zip(sizes, skippable) if ok)

@@ -254,14 +254,15 @@ def skip_reduce(
         static SkipReduce, ``error_feedback`` and ``params_sharded``, and for
         gradients the compiler shards or that vary over other manual axes.
       exact_radial: per index of a kernel's last axis (its output channel),
-        make the update's component along that channel's weights exact: one
-        more all-reduce of a float32 per channel, and vectors (biases, norm
-        scales) get a full all-reduce. It needs ``params`` in ``update``.
-        This is the BatchNorm remedy that keeps the convs skipped (see
-        below); for other layers it is one more exact direction per channel.
-        None (the default): on when the params hold BatchNorm parameters and
-        ``update`` gets them, unless ``error_feedback`` or
-        ``params_sharded``.
+        make two components of the update exact: along that channel's
+        weights, and along the uniform direction (which stands for the
+        channel's mean input); one more all-reduce of two float32 per
+        channel, and vectors (biases, norm scales) get a full all-reduce.
+        It needs ``params`` in ``update``. This is the BatchNorm remedy that
+        keeps the convs skipped (see below); for other layers it is two more
+        exact directions per channel. None (the default): on when the params
+        hold BatchNorm parameters and ``update`` gets them, unless
+        ``error_feedback`` or ``params_sharded``.
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
         ``axis_name`` is skipped.
       chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
@@ -283,8 +284,12 @@ def skip_reduce(
         ZeRO): for a param that is this rank's 1/N block along its leading
         axis (its gradient is the whole leaf), the update is this rank's
         block of the mean, from :func:`skip_psum_scatter`; other params keep
-        the all-reduce. Selection (``min_size``) counts whole leaves, and
-        error feedback keeps what was left out of the whole local gradient.
+        the all-reduce. The block's owner is always summed, so with Random
+        and ``normalize="contributors"`` its value is weighed by
+        ``(N - 1 - k) / (N - 1)``, the chance of each other rank: every rank
+        then weighs 1 / N in expectation. Selection (``min_size``) counts
+        whole leaves, and error feedback keeps what was left out of the
+        whole local gradient.
         With ``inner_axis`` (FSDP over every device, the slow axis outer)
         a sharded param is the 1/(N L) block of ``P((axis_name,
         inner_axis))``: reduce-scattered in full over the inner axis, then
@@ -578,16 +583,16 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                                       axes)
         else:
             ar_out, ar_left = coll.skip_pmean_and_left_out(ar, config.axis_name, **ar_kw)
-        count = n - num_skip if config.normalize == "contributors" else n
         # Its own period; fold_in: the all-reduce's buckets and these draw
         # different keys.
         rs_key, rs_phase = balanced_draw(
             base, skip_step, scatter_period(n, num_skip) if config.balanced else 1)
         rs_kw = dict(kw, key=jax.random.fold_in(rs_key, 1 << 30), phase=rs_phase)
         rs_kw = dict(rs_kw, inner_axis=config.inner_axis)
-        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (count * inner),
+        own, divisor = _owner_weight(n, num_skip, config)
+        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (divisor * inner),
                                accumulate_dtype=config.accumulate_dtype,
-                               api=_API, **rs_kw)
+                               api=_API, own_weight=own, **rs_kw)
         rs_left = []  # control variates: no sharded params, nothing scattered
         if residuals is not None:
             mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
@@ -643,6 +648,25 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     if config.monitored:
         new_state = new_state._replace(monitor=monitor)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def _owner_weight(n: int, num_skip: int, config: _Config) -> tuple[float, float]:
+    """The owner's weight in its block's skipped sum, and what divides the sum.
+
+    A Random skipped reduce-scatter always sums the block's owner and each
+    other rank with probability ``(N - 1 - k) / (N - 1)``. Weighing the
+    owner by that probability makes every rank's expected weight 1 / N with
+    ``normalize="contributors"`` (the plain mean of the N - k summed gives
+    the owner 1 / (N - k)). ``"world"`` (error feedback's: every value is
+    delivered once, now or later) keeps the plain sum over N.
+    """
+    others = n - 1 - num_skip
+    if config.normalize != "contributors":
+        return 1.0, n
+    if not config.randomize or others == 0:
+        return 1.0, n - num_skip
+    own = others / (n - 1)
+    return own, own + others
 
 
 def _varies_beyond(leaves: list[jax.Array], axes: tuple[str, ...],

@@ -74,6 +74,27 @@ def per_rank(
     return jax.tree_util.tree_map(np.asarray, out)
 
 
+def sharded_updates(tx: Any, grads: np.ndarray, mesh: jax.sharding.Mesh, spec: P,
+                    steps: int) -> np.ndarray:
+    """``steps`` updates of FSDP blocks: ``[device, step, ...]``.
+
+    ``grads[d]`` is device d's whole local gradient of one leaf ``"w"``,
+    whose param (zeros) is split over ``spec`` by rows.
+    """
+    def f(g, p):
+        state = tx.init({"w": p})
+        out = []
+        for _ in range(steps):
+            u, state = tx.update({"w": g[0]}, state, {"w": p})
+            out.append(u["w"])
+        return jax.numpy.stack(out)[None]
+
+    g = jax.device_put(grads, NamedSharding(mesh, spec))
+    p = jax.device_put(np.zeros(grads.shape[1:], grads.dtype), NamedSharding(mesh, spec))
+    return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec),
+                                            out_specs=spec))(g, p))
+
+
 def popcount(values: np.ndarray) -> np.ndarray:
     """Number of set bits of each (non-negative, integer-valued) element."""
     ints = np.asarray(values).astype(np.int64)

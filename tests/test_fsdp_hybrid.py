@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import xla_steps
+from helpers import sharded_updates, xla_steps
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -189,3 +189,19 @@ def test_a_param_sharded_over_the_outer_axis_only_is_refused():
         opt_state = sr.init_opt_state(tx, params, mesh, AXES)
         sr.make_train_step(_loss, tx, mesh, AXES)(
             params, opt_state, sr.shard_batch(batch, mesh, AXES))
+
+
+def test_the_skipped_scatter_averages_to_the_exact_mean_over_its_period():
+    # Each block's outer owner is always summed, weighed by the others'
+    # chance; over the scatter's period every outer rank weighs alike, so
+    # the average update is exactly the mean over all N L devices.
+    k, rows = 2, 2
+    period = sr.scatter_period(N, k)
+    grads = np.random.default_rng(2).normal(size=(N * L, N * L * rows, 3)).astype(np.float32)
+    tx = sr.skip_reduce("o", inner_axis="i", num_skip=k, min_size=0, params_sharded=True)
+    u = sharded_updates(tx, grads, _mesh(), BLOCKS, period)
+    assert period > 1
+    for d in range(N * L):
+        block = grads[:, d * rows:(d + 1) * rows]
+        np.testing.assert_allclose(u[d].mean(0), block.mean(0), rtol=1e-5, atol=1e-5)
+        assert not np.allclose(u[d][0], block.mean(0), atol=1e-3)  # one step is skipped
