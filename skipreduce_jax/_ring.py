@@ -109,6 +109,8 @@ def reduce_scatter_to_owners(
     """
     n = schedule.axis_size
     if not schedule.randomized:
+        if own_weight != 1.0:  # the ring below adds every piece alike
+            raise ValueError("own_weight applies to Random schedules only.")
         ring = make_schedule(n, num_skip=schedule.num_skip, randomize=False)
         return reduce_scatter(buffer.reshape(-1), ring, axis_name,
                               accumulate_dtype=accumulate_dtype).reshape(-1)
