@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-sharded demo-multihost \
-        bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods clean
+        bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ demo-sharded: $(STAMP)
 
 demo-multihost: $(STAMP)
 	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py
+
+# The documentation site (Sphinx, MyST markdown; the docs extra) in
+# docs/_build/html, with every warning an error.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 # In-process collective timings (8 simulated CPU devices).
 bench: $(STAMP)
@@ -107,4 +118,4 @@ check-pods: $(PODS_STAMP)
 	    $(PODS_PY) -m pytest -q tests/pods
 
 clean:
-	rm -rf $(VENV) $(PODS_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PODS_VENV) build *.egg-info .pytest_cache docs/_build
