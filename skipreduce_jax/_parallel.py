@@ -5,7 +5,8 @@
 only (other mesh axes stay with the compiler). Arguments in
 ``batch_argnums`` are split over the data axes along their leading
 dimension; everything else is replicated, except per-rank state (fields a
-NamedTuple names in ``per_rank_fields``, e.g. error-feedback residuals, and
+NamedTuple names in ``per_rank_fields``, e.g. error-feedback residuals,
+the accumulator of an ``optax.MultiSteps`` around ``skip_reduce``, and
 :class:`PerRank` values), found anywhere in the arguments and outputs (an
 optax state, a flax ``TrainState``, an ``nnx.Optimizer``) and placed with a
 leading data-axis dimension, as :func:`state_specs` does. Host (numpy) and
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._monitor import ratios, warn_if_non_iid
-from skipreduce_jax._per_rank import per_rank_fields
+from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._step_context import step_body
 from skipreduce_jax._vma import varying_axes
 
@@ -115,16 +116,7 @@ def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
 
 def per_rank_flags(tree: Any) -> list[bool]:
     """One bool per leaf of ``tree`` (in ``tree_leaves`` order): per rank?"""
-    flags = []
-    for node in jax.tree_util.tree_leaves(
-            tree, is_leaf=lambda n: bool(per_rank_fields(n))):
-        fields = per_rank_fields(node)
-        if not fields:
-            flags.append(False)
-            continue
-        for name, child in zip(node._fields, node, strict=True):
-            flags += [name in fields] * len(jax.tree_util.tree_leaves(child))
-    return flags
+    return [bool(name) for name in jax.tree_util.tree_leaves(per_rank_names(tree))]
 
 
 def _spec_axes(spec: P) -> set[str]:

@@ -8,9 +8,13 @@ feedback). The protocol:
 - a NamedTuple state names its per-rank fields in a ``per_rank_fields``
   class attribute; each leaf there has a leading axis of size 1 inside
   ``shard_map`` (one row per rank, stacked along the data axis outside);
+- ``optax.MultiStepsState`` is known by type: its accumulator
+  ``acc_grads`` is per rank when the optimizer it wraps holds such state
+  (``skip_reduce``), for it then sums local gradients;
 - :func:`per_rank_zeros` builds such a leaf, typed varying when it can be;
-- ``state_specs`` / ``init_opt_state`` place those fields with
-  :func:`per_rank_fields` and :func:`per_rank_leaves`.
+- ``state_specs`` / ``init_opt_state`` / ``data_parallel`` place those
+  fields with :func:`per_rank_names` (per-rank states may nest: a
+  ``MultiStepsState`` holds a ``SkipReduceState``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
@@ -54,9 +59,10 @@ def check_local(leaves: Sequence[jax.Array], axis_name: str,
                 "skipreduce_jax.local_grad / local_value_and_grad (they cast "
                 "params to varying first), or jax.grad(loss)(lax.pcast(params, "
                 "axis, to='varying'), ...). It can also come from replicated "
-                "optimizer state, e.g. optax.MultiSteps' accumulated gradients "
-                "around skip_reduce: accumulate local gradients before "
-                "skip_reduce instead (make_train_step(..., microbatches=m)).")
+                "optimizer state, e.g. the accumulated gradients of an "
+                "optax.MultiSteps around skip_reduce made by tx.init: build the "
+                "state with skipreduce_jax.init_opt_state(tx, params, mesh), "
+                "which gives each rank an accumulator of its own.")
 
 
 def per_rank_zeros(shape: Sequence[int], dtype: Any, axes: tuple[str, ...]
@@ -76,17 +82,47 @@ def per_rank_zeros(shape: Sequence[int], dtype: Any, axes: tuple[str, ...]
 
 
 def per_rank_fields(node: Any) -> tuple[str, ...]:
-    """The per-rank field names a NamedTuple state declares (else ``()``)."""
+    """The per-rank field names of a NamedTuple state (else ``()``).
+
+    Those its ``per_rank_fields`` class attribute declares, and the
+    accumulator of an ``optax.MultiStepsState`` that wraps per-rank state.
+    """
+    if isinstance(node, optax.MultiStepsState):
+        return ("acc_grads",) if _holds_per_rank(node.inner_opt_state) else ()
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return tuple(getattr(type(node), "per_rank_fields", ()))
     return ()
 
 
+def _holds_per_rank(tree: Any) -> bool:
+    """Whether ``tree`` holds a state declaring per-rank fields."""
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda n: bool(per_rank_fields(n)))
+    return any(per_rank_fields(n) for n in nodes)
+
+
+def per_rank_names(tree: Any) -> Any:
+    """``tree`` with each leaf replaced by its per-rank field's name, or ``""``.
+
+    Per-rank states may nest (a ``MultiStepsState`` around a
+    ``SkipReduceState``): the fields a state does not declare are searched
+    in turn.
+    """
+    def visit(node):
+        fields = per_rank_fields(node)
+        if not fields:
+            return ""
+        return node._replace(**{
+            name: (jax.tree_util.tree_map(lambda _, n=name: n, child)
+                   if name in fields else per_rank_names(child))
+            for name, child in zip(node._fields, node, strict=True)})
+
+    return jax.tree_util.tree_map(visit, tree,
+                                  is_leaf=lambda n: bool(per_rank_fields(n)))
+
+
 def per_rank_leaves(opt_state: Any) -> Iterator[tuple[str, Any]]:
     """``(field name, leaf)`` for every leaf of every per-rank field."""
-    nodes = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda n: bool(per_rank_fields(n)))
-    for node in nodes:
-        for name in per_rank_fields(node):
-            for leaf in jax.tree_util.tree_leaves(getattr(node, name)):
-                yield name, leaf
+    names = jax.tree_util.tree_leaves(per_rank_names(opt_state))
+    for name, leaf in zip(names, jax.tree_util.tree_leaves(opt_state), strict=True):
+        if name:
+            yield name, leaf

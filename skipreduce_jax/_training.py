@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._multisteps import place_accumulators, reduce_once
 from skipreduce_jax._parallel import (
     as_tuple,
     build_step,
@@ -50,7 +51,7 @@ from skipreduce_jax._parallel import (
     place_batch,
     replicated_sharding,
 )
-from skipreduce_jax._per_rank import per_rank_fields, per_rank_leaves
+from skipreduce_jax._per_rank import per_rank_leaves, per_rank_names
 from skipreduce_jax._transform import SkipReduceState
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
@@ -150,7 +151,10 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
     rank's row on its own device (``P(axis_name)``). A per-rank field is one
     named in the ``per_rank_fields`` class attribute of a NamedTuple state:
     the error-feedback ``residual`` of :class:`SkipReduceState`, and any
-    state of your own transformation declared the same way.
+    state of your own transformation declared the same way; and the
+    ``acc_grads`` of an ``optax.MultiStepsState`` whose wrapped optimizer
+    holds such state (``MultiSteps`` around :func:`skip_reduce`: each rank
+    accumulates its local gradients).
 
     Args:
       opt_state: the state (or its ``jax.eval_shape``).
@@ -160,18 +164,9 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
     Returns:
       A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
     """
-    axes = as_tuple(axis_name)
-    per_rank_spec = data_spec(axes)
-
-    def spec(node):
-        specs = jax.tree_util.tree_map(lambda _: P(), node)
-        for name in per_rank_fields(node):
-            specs = specs._replace(**{name: jax.tree_util.tree_map(
-                lambda _: per_rank_spec, getattr(node, name))})
-        return specs
-
-    return jax.tree_util.tree_map(
-        spec, opt_state, is_leaf=lambda n: bool(per_rank_fields(n)))
+    per_rank_spec = data_spec(as_tuple(axis_name))
+    return jax.tree_util.tree_map(lambda name: per_rank_spec if name else P(),
+                                  per_rank_names(opt_state))
 
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -250,8 +245,22 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     settings: a mismatch would train on silently wrong sums (or hang), so it
     is refused before the first step.
 
+    ``tx`` may be ``optax.MultiSteps(optax.chain(skip_reduce(...), ...),
+    k)``, as it is: each rank then accumulates its LOCAL gradients in
+    ``acc_grads`` (one row per rank, like the error-feedback residuals, in
+    the params' layout over other mesh axes) and the wrapped optimizer, ring
+    included, runs once per k micro-steps, so each micro-step sends 1/k of a
+    reduction's bytes. For that this sets the ``update`` of the
+    ``MultiSteps`` object itself (a flax ``TrainState``, an
+    ``nnx.Optimizer`` or your own step then call it): the state is optax's
+    ``MultiStepsState``, and each applied update is optax's for the mean of
+    the ranks' gradients. A ``should_skip_update_fn`` sees each rank's
+    gradient; a micro-step is skipped on every rank if any rank's says so,
+    and ``skip_state`` holds the largest value over the ranks.
+
     Args:
-      tx: the optimizer (containing :func:`skip_reduce`).
+      tx: the optimizer (containing :func:`skip_reduce`), or an
+        ``optax.MultiSteps`` around it.
       params: replicated params.
       mesh: the device mesh.
       axis_name: the data axis, as for :func:`state_specs`.
@@ -260,12 +269,24 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
       The state, placed according to :func:`state_specs`.
 
     Raises:
-      ValueError: if the seed or the settings differ between devices.
+      ValueError: if the seed or the settings differ between devices, or an
+        ``optax.MultiSteps`` around ``skip_reduce`` is not ``tx`` itself
+        (made by ``.gradient_transformation()``, inside ``optax.chain``).
+
+    Example:
+      >>> tx = optax.MultiSteps(optax.chain(
+      ...     sr.skip_reduce("data", num_skip=0), optax.sgd(0.1)), 4)
+      >>> params = replicate({"w": jnp.zeros(3)}, mesh)
+      >>> opt_state = init_opt_state(tx, params, mesh, "data")
+      >>> opt_state.acc_grads["w"].shape  # one accumulator row per rank
+      (8, 3)
+      >>> state_specs(opt_state).acc_grads
+      {'w': P('data',)}
     """
     axes = mesh_axes(mesh, axis_name, api="init_opt_state")
 
     def local_init(params):
-        state = tx.init(params)
+        state = place_accumulators(tx.init(params), axes)
         _check_per_rank_axes(state, axes, mesh.axis_names)
         return state
 
@@ -274,6 +295,7 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     opt_state = build_step(local_init, mesh, axes, batch_argnums=(),
                            static_argnums=(), donate_argnums=(),
                            api="init_opt_state", manual_axes="unsharded")(params)
+    reduce_once(tx, opt_state, axes, api="init_opt_state")
     check_settings_agree(opt_state, mesh)
     return opt_state
 
@@ -335,8 +357,9 @@ def make_train_step(
     With ``microbatches=m`` each rank splits its part of the batch into m
     equal pieces, averages their local gradients (a ``lax.scan``) and then
     runs ``tx`` once: gradient accumulation with one reduction per step.
-    (Wrapping ``skip_reduce`` in ``optax.MultiSteps`` would instead reduce
-    on every micro-step, and its accumulator is typed replicated.)
+    Or accumulate over steps, one micro-batch per call, with ``tx =
+    optax.MultiSteps(optax.chain(skip_reduce(...), ...), k)`` (see
+    :func:`init_opt_state`): one reduction per k calls.
 
     FSDP (params placed by :func:`shard_params`, ``skip_reduce(...,
     params_sharded=True)``): the loss sees whole params. With
@@ -412,6 +435,7 @@ def make_train_step(
         whole = jax.tree_util.tree_map(
             lambda p: _stand_in(p, axes) if per_leaf else _gather_block(p, axes), params)
         loss, grads = local_value_and_grads(whole, params, batch)
+        reduce_once(tx, opt_state, axes, api="make_train_step")
         updates, opt_state = tx.update(grads, opt_state, params)
         _check_reduced(updates, axes, params)
         return (optax.apply_updates(params, updates), opt_state,

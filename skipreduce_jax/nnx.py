@@ -148,7 +148,9 @@ def init_optimizer(
 
     Args:
       model: the NNX Module.
-      tx: the optimizer, ``skip_reduce`` first.
+      tx: the optimizer, ``skip_reduce`` first; or an ``optax.MultiSteps``
+        around it (each rank accumulates its local gradients, reduced once
+        per k micro-steps; see :func:`skipreduce_jax.init_opt_state`).
       mesh: the device mesh.
       axis_name: the data axis, as for :func:`data_parallel`.
       wrt: the filter of the variables to optimize.

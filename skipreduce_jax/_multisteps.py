@@ -1,0 +1,165 @@
+"""``optax.MultiSteps`` around ``skip_reduce``: sum locally, reduce once.
+
+optax's ``MultiSteps`` runs the optimizer it wraps on every micro-step and
+keeps the result only on the last one (``jnp.where``); its accumulator is
+built by ``tx.init`` like the params, the same on every rank. Around
+``skip_reduce`` that would run the ring on every micro-step, and a
+replicated accumulator cannot hold each rank's own gradients. So, when the
+wrapped optimizer holds per-rank state (``skip_reduce``):
+
+- ``acc_grads`` is per-rank state: one row per rank (a leading axis of size
+  1 inside ``shard_map``, stacked along the data axes outside), placed by
+  ``init_opt_state``, ``state_specs`` and ``data_parallel`` like the
+  error-feedback residuals, in the params' layout over other mesh axes;
+- :func:`reduce_once` gives the ``MultiSteps`` object an ``update`` that
+  runs the wrapped optimizer, and so the ring, inside a ``lax.cond`` taken
+  on the micro-step that applies the update: one reduction per k
+  micro-steps. The state is optax's ``MultiStepsState``, field for field,
+  and each applied update is optax's for the mean of the ranks' gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from skipreduce_jax._per_rank import per_rank_fields, per_rank_zeros
+from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
+
+
+def is_local_accumulator(node: Any) -> bool:
+    """Whether ``node`` is a ``MultiStepsState`` summing local gradients."""
+    return isinstance(node, optax.MultiStepsState) and bool(per_rank_fields(node))
+
+
+def place_accumulators(opt_state: Any, axes: tuple[str, ...]) -> Any:
+    """``opt_state`` with each local accumulator made one row per rank.
+
+    Runs where ``tx.init`` does in ``init_opt_state`` (inside ``shard_map``).
+    """
+    def place(node):
+        if not is_local_accumulator(node):
+            return node
+        return node._replace(acc_grads=jax.tree_util.tree_map(
+            lambda a: per_rank_zeros(jnp.shape(a), a.dtype, axes), node.acc_grads))
+
+    return jax.tree_util.tree_map(place, opt_state, is_leaf=is_local_accumulator)
+
+
+def reduce_once(tx: Any, opt_state: Any, axes: tuple[str, ...], *, api: str) -> None:
+    """Gives ``tx``, a ``MultiSteps`` around ``skip_reduce``, its update.
+
+    Sets the ``update`` attribute of the ``optax.MultiSteps`` object itself,
+    so that every caller (a flax ``TrainState``, an ``nnx.Optimizer``, a
+    step of your own) uses it. Nothing happens if ``opt_state`` holds no
+    local accumulator.
+
+    Raises:
+      ValueError: if a local accumulator belongs to anything but ``tx``
+        itself (``.gradient_transformation()``, inside ``optax.chain``),
+        whose update cannot be reached.
+    """
+    nodes = [n for n in jax.tree_util.tree_leaves(opt_state, is_leaf=is_local_accumulator)
+             if is_local_accumulator(n)]
+    if not nodes:
+        return
+    if isinstance(tx, optax.MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
+        tx.update = functools.partial(_update, tx, axes)
+        return
+    raise ValueError(
+        f"{api}: the optimizer holds an optax.MultiSteps around skip_reduce that "
+        "is not the optimizer itself (made by .gradient_transformation(), or "
+        "inside optax.chain). Each rank accumulates its local gradients, and "
+        "only the MultiSteps object's own update can reduce them once per "
+        "accumulated step: pass the optax.MultiSteps object as the optimizer, "
+        "e.g. tx = optax.MultiSteps(optax.chain(skip_reduce(...), ...), k), or "
+        "accumulate with make_train_step(..., microbatches=k).")
+
+
+def _update(ms: optax.MultiSteps, axes: tuple[str, ...], updates: Any,
+            state: optax.MultiStepsState, params: Any = None,
+            **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
+    """``MultiSteps.update`` with local accumulators and one reduction per step."""
+    if not is_local_accumulator(state):
+        return optax.MultiSteps.update(ms, updates, state, params, **extra_args)
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    rows = treedef.flatten_up_to(state.acc_grads)
+    _check_rows(leaves, rows, axes)
+    k_steps = ms._every_k_schedule(state.gradient_step)
+    skip, skip_state = ms._should_skip_update_fn(updates, state.gradient_step, params)
+    if (skip.dtype, skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "optax.MultiSteps: should_skip_update_fn must return a boolean scalar "
+            f"array, but it returned one of dtype {skip.dtype} and shape {skip.shape}.")
+    # Each rank judged its own gradient: skip everywhere if any rank says so.
+    skip, skip_state = jax.tree_util.tree_map(lambda x: _agree(x, axes),
+                                              (skip, skip_state))
+    acc = treedef.unflatten([ms._acc_update(g, r[0], n_acc=state.mini_step)
+                             for g, r in zip(leaves, rows, strict=True)])
+    emit = state.mini_step == k_steps - 1
+
+    def apply(acc, inner):  # the ring runs here, once per k micro-steps
+        out, new = ms._opt.update(optax.tree.cast_like(acc, updates), inner,
+                                  params=params, **extra_args)
+        return out, jax.tree_util.tree_map(lambda n, s: n.astype(s.dtype), new, inner)
+
+    shapes, _ = jax.eval_shape(apply, acc, state.inner_opt_state)
+
+    def hold(acc, inner):
+        return jax.tree_util.tree_map(_zeros, shapes), inner
+
+    new_updates, inner = lax.cond(emit & ~skip, apply, hold, acc, state.inner_opt_state)
+    next_step = optax.safe_increment(state.mini_step) % k_steps
+    acc_rows = jax.tree_util.tree_map(
+        lambda a, r: jnp.where(skip, r, jnp.where(emit, 0, a[None])).astype(r.dtype),
+        acc, state.acc_grads)
+    return new_updates, optax.MultiStepsState(
+        mini_step=jnp.where(skip, state.mini_step, next_step),
+        gradient_step=jnp.where(emit & ~skip, optax.safe_increment(state.gradient_step),
+                                state.gradient_step),
+        inner_opt_state=inner,
+        acc_grads=acc_rows,
+        skip_state=skip_state)
+
+
+def _agree(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x``'s largest value over the ranks it differs on (``any`` for bools)."""
+    over = tuple(a for a in axes if a in varying_axes(x)) if vma_checked(axes[0]) else axes
+    if not over:
+        return x
+    if x.dtype == jnp.bool_:
+        return lax.pmax(x.astype(jnp.int32), over) > 0
+    return lax.pmax(x, over)
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``shape``, typed varying where its type says so."""
+    mat = getattr(shape, "manual_axis_type", None)
+    axes = tuple(sorted(mat.varying)) if mat is not None else ()
+    return cast_varying(jnp.zeros(shape.shape, shape.dtype), axes)
+
+
+def _check_rows(leaves: list[jax.Array], rows: list[jax.Array],
+                axes: tuple[str, ...]) -> None:
+    """Refuses an accumulator that is not one row of this rank's own."""
+    for g, r in zip(leaves, rows, strict=True):
+        local = vma_checked(axes[0])
+        if tuple(r.shape) == (1,) + tuple(g.shape) and (
+                not local or axes[0] in varying_axes(r)):
+            continue
+        raise ValueError(
+            "optax.MultiSteps around skip_reduce: the accumulated gradients "
+            f"(acc_grads) of a gradient of shape {tuple(g.shape)} have local "
+            f"shape {tuple(r.shape)}"
+            + ("" if not local or axes[0] in varying_axes(r) else
+               f", replicated (invariant) over {axes[0]!r}")
+            + f"; each rank needs one row of its own, {(1,) + tuple(g.shape)}. "
+            "The state was made by tx.init (the same accumulator on every "
+            "rank) or for other params. Build it with "
+            "skipreduce_jax.init_opt_state(tx, params, mesh) (with NNX, "
+            "skipreduce_jax.nnx.init_optimizer(model, tx, mesh)).")
