@@ -1,0 +1,255 @@
+"""``value_and_grad``: SkipReduce in place of ``jax.value_and_grad`` inside
+the user's own ``jax.jit``.
+
+Layouts: a one-axis mesh, and (replica=4, fsdp=2) with params sharded over
+fsdp under Explicit and Auto axes (the HSDP layout of
+test_sharded_training, whose model and helpers these tests reuse).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_sharded_training import _by_axis, _local_shape, _setup
+
+import skipreduce_jax as sr
+
+LAYOUTS = ["line", "4x2-explicit", "4x2-auto"]
+
+
+def _layout(name):
+    """mesh, param specs over the compiler's axes, params, (x, y) batch."""
+    if name == "line":
+        mesh, _, params, batch = _setup("4x2-auto")
+        mesh = jax.make_mesh((8,), ("replica",))
+        params = {k: jax.device_put(np.asarray(v), NamedSharding(mesh, P()))
+                  for k, v in params.items()}
+        return mesh, dict.fromkeys(params, P()), params, batch
+    mesh, specs, params, batch = _setup(name)
+    return mesh, specs, params, batch
+
+
+def _loss(p, batch):
+    """Plain GSPMD code on the global batch; aux: a mean and per-example rows."""
+    x, y = batch
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    per_example = jnp.mean((h @ p["w2"] - y) ** 2, axis=1)
+    return jnp.mean(per_example), {"mean_h": jnp.mean(h),
+                                   "rows": sr.PerRank(per_example)}
+
+
+def _run(name, fun=_loss, step=0, *, has_aux=True, **options):
+    mesh, specs, params, batch = _layout(name)
+    batch = tuple(jax.device_put(b, NamedSharding(mesh, P("replica"))) for b in batch)
+    options.setdefault("min_size", 0)
+    if name == "4x2-auto":
+        options.setdefault("param_specs", specs)
+
+    def train_step(p, b, s):
+        return sr.value_and_grad(fun, mesh, "replica", step=s, has_aux=has_aux,
+                                 **options)(p, b)
+
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(train_step)
+        out = jitted(params, batch, step)
+    return mesh, specs, params, batch, out, jitted
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_num_skip_zero_is_jax_value_and_grad(name):
+    mesh, specs, params, batch, ((loss, aux), grads), _ = _run(name, num_skip=0)
+    # XLA's own, on Auto axes: under Explicit ones a matmul over a sharded
+    # contraction needs an out_sharding in user code (inside the entry
+    # point the other axes are Auto).
+    ref_mesh = jax.make_mesh(mesh.axis_sizes, mesh.axis_names,
+                             axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    place = lambda x: jax.device_put(  # noqa: E731
+        np.asarray(x), NamedSharding(ref_mesh, x.sharding.spec))
+    with jax.set_mesh(ref_mesh):
+        (ref_loss, ref_aux), ref = jax.jit(jax.value_and_grad(_loss, has_aux=True))(
+            jax.tree_util.tree_map(place, params), jax.tree_util.tree_map(place, batch))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(aux["mean_h"], ref_aux["mean_h"], rtol=1e-5, atol=1e-7)
+    # Per-example rows: every rank's, in the order of the global batch.
+    assert isinstance(aux["rows"], sr.PerRank)
+    np.testing.assert_allclose(aux["rows"].value, ref_aux["rows"].value, rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref[k], rtol=1e-4, atol=1e-6)
+        assert grads[k].sharding.is_equivalent_to(  # the params' own layouts
+            NamedSharding(mesh, specs[k]), grads[k].ndim), (k, grads[k].sharding)
+        local = grads[k].addressable_shards[0].data.shape
+        assert local == _local_shape(grads[k].shape, specs[k], mesh), k
+
+
+def _contributors(name, step, num_skip, **options):
+    """Which replica ranks each gradient element summed, as bits.
+
+    Rank r's local gradient of ``w`` is 2**r everywhere (its one batch row
+    holds 2**r); ``normalize="world"`` divides the sum by N, exactly.
+    """
+    mesh, specs, params, _ = _layout(name)
+    n = mesh.shape["replica"]
+    w = params["w1"]  # (32, 256), sharded over fsdp in the 4x2 layouts
+    rows = jnp.asarray([[2.0 ** r] for r in range(n)])
+
+    def loss(w, x):
+        return jnp.sum(w * x[:, :, None])
+
+    def train_step(w, x, s):
+        return sr.value_and_grad(loss, mesh, "replica", step=s, num_skip=num_skip,
+                                 normalize="world", min_size=0, **options)(w, x)[1]
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(rows, NamedSharding(mesh, P("replica")))
+        grads = jax.jit(train_step)(w, x, step)
+    assert grads.sharding.is_equivalent_to(NamedSharding(mesh, specs["w1"]), 2)
+    sr.assert_replicated(grads, mesh)  # Random: bit-identical replicas
+    return np.rint(np.asarray(grads) * n).astype(np.int64), n
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_element_sums_n_minus_k_ranks(name):
+    k = 2
+    opts = {"param_specs": P(None, "fsdp")} if name == "4x2-auto" else {}
+    bits, n = _contributors(name, 5, k, **opts)
+    popcount = np.vectorize(lambda b: bin(b).count("1"))(bits)
+    assert (popcount == n - k).all()
+    assert len(np.unique(bits)) > 1  # the windows differ along the leaf
+    again, _ = _contributors(name, 5, k, **opts)
+    np.testing.assert_array_equal(bits, again)  # same step, same drops
+    other, _ = _contributors(name, 6, k, **opts)
+    assert (other != bits).any()  # another step, other drops
+
+
+def test_warmup_is_decided_from_step():
+    bits, n = _contributors("line", 2, 3, warmup_steps=3)
+    assert (bits == 2 ** n - 1).all()  # step 2 < 3: every rank summed
+    bits, n = _contributors("line", 3, 3, warmup_steps=3)
+    assert (np.vectorize(lambda b: bin(b).count("1"))(bits) == n - 3).all()
+
+
+@pytest.mark.parametrize("name", ["4x2-explicit", "4x2-auto"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_bytes_over_the_replica_axis_are_the_formula(name, k):
+    mesh, specs, params, batch, _, jitted = _run(name, num_skip=k)
+    with jax.set_mesh(mesh):
+        text = jitted.lower(params, batch, 0).compile().as_text()
+    n = mesh.shape["replica"]
+    shards = {key: jax.ShapeDtypeStruct(_local_shape(p.shape, specs[key], mesh), p.dtype)
+              for key, p in params.items()}  # each device reduces its shards
+    local = sum(int(np.prod(s.shape)) * 4 for s in shards.values())
+    value_bytes = 2 * (n - 1) / n * 4 * 2  # the loss's and mean_h's pmean
+    replica, other = _by_axis(text, mesh)
+    stats = sr.comm_stats(shards, n, num_skip=k, min_size=0)
+    assert replica == pytest.approx(stats.bytes_per_device + value_bytes)
+    assert replica == pytest.approx((2 * (n - 1) - k) / n * local + value_bytes)
+    # Over fsdp: the model's own, no more than XLA's own step sends there.
+    _, gspmd_other = _by_axis(_xla_text(name), mesh)
+    assert other <= gspmd_other
+
+
+def _xla_text(name):
+    """XLA's own program: jax.value_and_grad (value, aux) and an SGD update."""
+    mesh, _, params, batch = _setup(name, AxisType.Auto)
+    xb = tuple(jax.device_put(a, NamedSharding(mesh, P("replica"))) for a in batch)
+
+    def step(p, b):
+        out, grads = jax.value_and_grad(_loss, has_aux=True)(p, b)
+        return out, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, p, grads)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step).lower(params, xb).compile().as_text()
+
+
+def test_padded_batches_divide_by_the_global_count():
+    """mean_count: exact at k = 0 though ranks hold different token counts."""
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 6, 3)).astype(np.float32)
+    mask = (rng.random((8, 6)) < np.linspace(0.1, 0.9, 8)[:, None]).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=3).astype(np.float32))
+
+    def loss(w, batch, count=sr.mean_count):
+        x, mask = batch
+        return jnp.sum(mask * (x @ w) ** 2) / count(jnp.sum(mask))
+
+    ref = jax.value_and_grad(loss)(w, (x, mask))  # the global batch, no mapping
+
+    def grads(fun):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda w, b: sr.value_and_grad(
+                fun, mesh, "replica", step=0, num_skip=0)(w, b))(w, (x, mask))
+
+    got = grads(loss)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    # Each rank dividing by its own count is not the global loss.
+    local = grads(lambda w, b: loss(w, b, count=lambda c: c))
+    assert not np.allclose(local[0], ref[0], rtol=1e-3)
+
+
+def test_arguments_not_in_batch_argnums_are_replicated():
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)
+
+    def loss(w, x, scale):
+        return scale * jnp.mean(w * x)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda w, x, s: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, batch_argnums=1)(w, x, s))(
+            1.0, x, jnp.float32(3.0))
+    ref = jax.value_and_grad(loss)(1.0, x, 3.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def _call(mesh, x, axis_name="replica", **options):
+    def loss(w, x):
+        return jnp.mean(w * x)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda w, x: sr.value_and_grad(
+            loss, mesh, axis_name, **options)(w, x))(1.0, x)
+
+
+def test_clear_errors():
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)
+    with pytest.raises(ValueError, match=r"error_feedback=True keeps a residual.*"
+                       r"optax\.chain\(skip_reduce"):
+        _call(mesh, x, step=0, num_skip=1, error_feedback=True)
+    with pytest.raises(ValueError, match=r"control_variate keeps"):
+        _call(mesh, x, step=0, num_skip=1, control_variate=0.1)
+    with pytest.raises(ValueError, match=r"pass step=, the training step"):
+        _call(mesh, x, num_skip=1)
+    with pytest.raises(ValueError, match=r"step must be an int scalar"):
+        _call(mesh, x, step=0.5, num_skip=1)
+    with pytest.raises(ValueError, match=r"must split evenly over the 4 ranks"):
+        _call(mesh, jnp.arange(10.0), step=0, num_skip=1)
+    with pytest.raises(TypeError, match=r"unknown options \['numskip'\]"):
+        _call(mesh, x, step=0, numskip=1)
+    with pytest.raises(ValueError, match=r"not an axis of the mesh"):
+        _call(mesh, x, step=0, num_skip=1, axis_name="data")
+
+
+def test_a_param_sharded_over_the_data_axis_is_refused():
+    mesh = jax.make_mesh((4, 2), ("replica", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("replica")))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"replicated over it"):
+        jax.jit(lambda w, x: sr.value_and_grad(
+            lambda w, x: jnp.mean(w * x), mesh, "replica", step=0, num_skip=0)(w, x))(
+            w, jnp.ones((8, 8)))
+
+
+def test_integer_aux_that_differs_per_rank_is_refused():
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+
+    def loss(w, x):
+        return jnp.mean(w * x), jnp.sum(x > 3)
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"PerRank"):
+        jax.jit(lambda w, x: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
+            1.0, jnp.arange(8.0))
