@@ -168,12 +168,16 @@ def value_and_grad(
       batch_argnums: positions split over ``axis_name``; None: every
         position not in ``argnums``.
       param_specs: how the params are laid out over the other mesh axes (a
-        pytree prefix of ``PartitionSpec``), so that the skipped ring runs
-        on each device's shards and nothing crosses those axes. Under
-        Explicit mesh axes it is read from the params' types; under Auto
-        axes it is unknown inside ``jax.jit`` unless given (without it,
-        with ``num_skip > 0``, the compiler may gather sharded leaves over
-        those axes before the ring: the same result, more bytes).
+        pytree prefix of ``PartitionSpec`` or ``NamedSharding``, e.g. the
+        params' part of the ``in_shardings`` given to ``jax.jit``), so that
+        the skipped ring runs on each device's shards and nothing crosses
+        those axes. Under Explicit mesh axes it is read from the params'
+        types. Under Auto axes the layout is unknown inside ``jax.jit``
+        unless given: without it, with ``num_skip > 0``, the compiler
+        gathers sharded leaves over those axes before the ring, and the
+        grads come back replicated over them (the same values; on the
+        (replica=4, fsdp=2) mesh of the tests, twice the bytes over
+        ``replica`` and 21 kB more over ``fsdp``).
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
@@ -336,6 +340,9 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
     """One spec over the compiler's axes per param leaf (None: replicated)."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if given is not None:
+        given = jax.tree_util.tree_map(  # shardings (jit's in_shardings) too
+            lambda s: s.spec if isinstance(s, NamedSharding) else s, given,
+            is_leaf=lambda s: s is None or isinstance(s, (P, NamedSharding)))
         specs = _shards.given_specs(leaves, treedef, given, api=_API,
                                     name="param_specs")
     else:

@@ -9,6 +9,7 @@ test_sharded_training, whose model and helpers these tests reuse).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,8 +45,9 @@ def _run(name, fun=_loss, step=0, *, has_aux=True, **options):
     mesh, specs, params, batch = _layout(name)
     batch = tuple(jax.device_put(b, NamedSharding(mesh, P("replica"))) for b in batch)
     options.setdefault("min_size", 0)
-    if name == "4x2-auto":
-        options.setdefault("param_specs", specs)
+    if name == "4x2-auto":  # jit's in_shardings will do; Explicit: the types
+        options.setdefault("param_specs", {k: NamedSharding(mesh, s)
+                                           for k, s in specs.items()})
 
     def train_step(p, b, s):
         return sr.value_and_grad(fun, mesh, "replica", step=s, has_aux=has_aux,
@@ -253,3 +255,132 @@ def test_integer_aux_that_differs_per_rank_is_refused():
         jax.jit(lambda w, x: sr.value_and_grad(
             loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
             1.0, jnp.arange(8.0))
+
+
+def test_auto_axes_without_param_specs_still_sum_n_minus_k_ranks():
+    """Under Auto axes the layout is unknown in jit: the ring sees whole
+    leaves (other windows than on each shard), N - k ranks each."""
+    n, k = 4, 2
+    mesh, _, params, _ = _layout("4x2-auto")
+    rows = jnp.asarray([[2.0 ** r] for r in range(n)])
+    with jax.set_mesh(mesh):
+        grads = jax.jit(lambda w, x: sr.value_and_grad(
+            lambda w, x: jnp.sum(w * x[:, :, None]), mesh, "replica", step=5,
+            num_skip=k, normalize="world", min_size=0)(w, x)[1])(params["w1"], rows)
+    sr.assert_replicated(grads, mesh)
+    bits = np.rint(np.asarray(grads) * n).astype(np.int64)
+    assert (np.vectorize(lambda b: bin(b).count("1"))(bits) == n - k).all()
+
+
+# The NNX form, in place of nnx.value_and_grad inside nnx.jit.
+nnx = pytest.importorskip("flax.nnx")
+
+
+class _MLP(nnx.Module):
+    def __init__(self, *, norm, rngs):
+        self.lin1 = nnx.Linear(6, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs) if norm else None
+        self.lin2 = nnx.Linear(32, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.lin1(x)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lin2(jax.nn.relu(h))
+
+
+def _nnx_loss(model, x, y):
+    per_example = jnp.mean((model(x) - y) ** 2, axis=1)
+    return jnp.mean(per_example), sr.PerRank(per_example)
+
+
+def _nnx_data(n=16):
+    rng = np.random.default_rng(3)
+    return (rng.normal(size=(n, 6)).astype(np.float32),
+            rng.normal(size=(n, 3)).astype(np.float32))
+
+
+def test_nnx_num_skip_zero_is_nnx_value_and_grad():
+    import skipreduce_jax.nnx as srnnx
+
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    x, y = _nnx_data()
+    model = _MLP(norm=False, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def ref_step(model, x, y):
+        return nnx.value_and_grad(_nnx_loss, has_aux=True)(model, x, y)
+
+    @nnx.jit
+    def step(model, x, y):
+        return srnnx.value_and_grad(_nnx_loss, mesh, "data", step=0, has_aux=True,
+                                    num_skip=0)(model, x, y)
+
+    with jax.set_mesh(mesh):
+        (loss, rows), grads = step(model, x, y)
+    (ref_loss, ref_rows), ref = ref_step(model, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(rows.value, ref_rows.value, rtol=1e-6)
+    assert isinstance(grads, nnx.State)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_nnx_batchnorm_statistics_are_the_mean_of_the_ranks_and_replicas_agree():
+    import skipreduce_jax.nnx as srnnx
+
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    x, y = _nnx_data()
+    model = _MLP(norm=True, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # plain
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        grad_fn = srnnx.value_and_grad(_nnx_loss, mesh, "data", has_aux=True,
+                                       step=optimizer.step[...],
+                                       skip_ratio=0.5, min_size=0)
+        (loss, _), grads = grad_fn(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    h = np.asarray(model.lin1(jnp.asarray(x)))  # the first step's statistics
+    momentum = model.norm.momentum
+    with jax.set_mesh(mesh):
+        for _ in range(3):
+            float(train_step(model, optimizer, x, y))
+    assert int(optimizer.step[...]) == 3
+    sr.assert_replicated(nnx.state(model), mesh)
+    sr.assert_replicated(nnx.state(optimizer), mesh)
+
+    # One step from fresh statistics: each rank's batch mean, averaged.
+    model = _MLP(norm=True, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with jax.set_mesh(mesh):
+        float(train_step(model, optimizer, x, y))
+    rank_means = h.reshape(n, -1, h.shape[1]).mean(1)
+    np.testing.assert_allclose(np.asarray(model.norm.mean[...]),
+                               (1 - momentum) * rank_means.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_batch_argnums_counts_from_the_loss_arguments():
+    import skipreduce_jax.nnx as srnnx
+
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    model = _MLP(norm=False, rngs=nnx.Rngs(0))
+    x, y = _nnx_data()
+
+    def loss(model, x, y, scale):
+        return scale * _nnx_loss(model, x, y)[0]
+
+    @nnx.jit
+    def step(model, x, y, scale):
+        return srnnx.value_and_grad(loss, mesh, "data", step=0, num_skip=0,
+                                    batch_argnums=(1, 2))(model, x, y, scale)
+
+    with jax.set_mesh(mesh):
+        got, _ = step(model, x, y, jnp.float32(2.0))
+    np.testing.assert_allclose(got, loss(model, x, y, 2.0), rtol=1e-6)
+    with pytest.raises(ValueError, match="holds 0, the model"):
+        srnnx.value_and_grad(loss, mesh, "data", step=0, num_skip=0, batch_argnums=0)
