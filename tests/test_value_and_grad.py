@@ -234,6 +234,10 @@ def test_clear_errors():
         _call(mesh, x, step=0, numskip=1)
     with pytest.raises(ValueError, match=r"not an axis of the mesh"):
         _call(mesh, x, step=0, num_skip=1, axis_name="data")
+    with pytest.raises(ValueError, match=r"param_specs does not match the tree"):
+        _call(mesh, x, step=0, num_skip=1, param_specs={"w": P()})
+    with pytest.raises(ValueError, match=r"param_specs names \['model'\]"):
+        _call(mesh, x, step=0, num_skip=1, param_specs=P("model"))
 
 
 def test_a_param_sharded_over_the_data_axis_is_refused():
@@ -384,3 +388,27 @@ def test_nnx_batch_argnums_counts_from_the_loss_arguments():
     np.testing.assert_allclose(got, loss(model, x, y, 2.0), rtol=1e-6)
     with pytest.raises(ValueError, match="holds 0, the model"):
         srnnx.value_and_grad(loss, mesh, "data", step=0, num_skip=0, batch_argnums=0)
+
+
+def test_hierarchical_axes_split_the_batch_over_both():
+    """axis_name=(outer, inner): k = 0 is jax.value_and_grad; with k > 0
+    every element sums all inner ranks of N - k outer ones."""
+    mesh = jax.make_mesh((4, 2), ("replica", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    rows = jnp.asarray([[2.0 ** (r // 2)] for r in range(8)])  # outer rank's bit
+
+    def loss(w, x):
+        return jnp.mean(w * x[:, :, None])
+
+    def grads(k, fun=loss):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda w, x: sr.value_and_grad(
+                fun, mesh, ("replica", "fsdp"), step=1, num_skip=k,
+                normalize="world", min_size=0)(w, x))(jnp.ones((4, 64)), rows)
+
+    (value, got), ref = grads(0), jax.value_and_grad(loss)(jnp.ones((4, 64)), rows)
+    np.testing.assert_allclose(value, ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got, ref[1], rtol=1e-6)
+    _, skipped = grads(2, lambda w, x: jnp.sum(w * x[:, :, None]))  # rank's bit
+    sr.assert_replicated(skipped, mesh)
+    bits = np.rint(np.asarray(skipped) * 8 / 2).astype(np.int64)  # /N, x2 inner
+    assert (np.vectorize(lambda b: bin(b).count("1"))(bits) == 2).all()
