@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,10 +142,11 @@ def value_and_grad(
       it, or that divides by :func:`mean_count`).
     - The value, and every leaf of ``aux``, come back as the MEAN over
       ranks. Leaves of ``aux`` wrapped in :class:`PerRank` (e.g.
-      ``PerRank(per_example_loss)``) come back as every rank's rows
-      concatenated, in the order of the global batch. An ``aux`` leaf that
-      is not a float and differs per rank is refused (wrap it in
-      :class:`PerRank`).
+      ``PerRank(per_example_loss)``, ``PerRank(logits)``) come back as every
+      rank's rows concatenated, in the order of the global batch. An ``aux``
+      leaf that is not a float and differs per rank is refused (wrap it in
+      :class:`PerRank`); one with a row per example of the rank's batch
+      is averaged with a warning naming :class:`PerRank`.
     - A loss that divides by a count from its batch (tokens, weights)
       divides by :func:`mean_count` of it: exact on padded batches.
 
@@ -253,7 +256,7 @@ def value_and_grad(
                 out, grads = grad(*local_args)
                 state = tx.init(local_params)._replace(count=step)
                 grads, _ = tx.update(grads, state, local_params)
-            return _mean_over_ranks(out, axes), grads
+            return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
 
         return _mapped(local, mesh, axes, step, args, batch,
                        _params_of(args, params_at), specs)
@@ -316,8 +319,19 @@ def _out_specs(out: Any, split: P) -> Any:
                               for f, _ in zip(per_rank_flags(out), leaves, strict=True)])
 
 
-def _mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
-    """The value and aux, each leaf the mean over ranks (PerRank: as it is)."""
+def _local_rows(local_args: Sequence[Any], batch: Sequence[int]) -> set[int]:
+    """The leading dimensions of this rank's batch leaves."""
+    return {leaf.shape[0] for i in batch
+            for leaf in jax.tree_util.tree_leaves(local_args[i]) if np.ndim(leaf)}
+
+
+def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -> Any:
+    """The value and aux, each leaf the mean over ranks (PerRank: as it is).
+
+    A leaf whose leading dimension is that of this rank's batch looks per
+    example (logits, per-token losses): its mean over ranks mixes the rows
+    of different examples, so it is averaged with a warning naming PerRank.
+    """
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
     leaves = []
     for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
@@ -325,6 +339,15 @@ def _mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
         if per_rank or not vary:
             leaves.append(leaf)
         elif jnp.issubdtype(leaf.dtype, jnp.inexact):
+            if np.ndim(leaf) and leaf.shape[0] in rows:
+                warnings.warn(
+                    f"{_API}: the aux output at "
+                    f"{jax.tree_util.keystr(path) or 'the root'} of local shape "
+                    f"{leaf.shape} has a row per example of this rank's batch; it "
+                    "comes back as the mean over ranks of those rows, not one row "
+                    "per example. For every rank's rows (global batch order) "
+                    "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
+                    "the loss (e.g. jnp.mean(x)).", stacklevel=4)
             leaves.append(lax.pmean(leaf, vary))
         else:
             raise ValueError(

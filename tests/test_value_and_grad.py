@@ -412,3 +412,16 @@ def test_hierarchical_axes_split_the_batch_over_both():
     sr.assert_replicated(skipped, mesh)
     bits = np.rint(np.asarray(skipped) * 8 / 2).astype(np.int64)  # /N, x2 inner
     assert (np.vectorize(lambda b: bin(b).count("1"))(bits) == 2).all()
+
+
+def test_per_example_aux_without_per_rank_warns():
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+
+    def loss(w, x):
+        return jnp.mean(w * x), w * x  # a row per example, not wrapped
+
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match=r"PerRank\(x\)"):
+        (_, rows), _ = jax.jit(lambda w, x: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
+            1.0, jnp.arange(8.0))
+    assert rows.shape == (2,)  # the mean of the ranks' rows
