@@ -425,3 +425,83 @@ def test_per_example_aux_without_per_rank_warns():
             loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
             1.0, jnp.arange(8.0))
     assert rows.shape == (2,)  # the mean of the ranks' rows
+
+
+# The NNX adoption example's step under nnx.jit, with the one line changed.
+
+
+def _digits_jit_setup(mesh, config):
+    """``nnx_cnn_digits.plain_setup`` with ``srnnx.value_and_grad``.
+
+    What else differs: BatchNorm reduces its statistics over "data" (its
+    running averages are used in evaluation, where no axis is needed), and
+    the loss returns its logits as ``sr.PerRank`` for the metrics.
+    """
+    import nnx_cnn_digits as example
+
+    import skipreduce_jax.nnx as srnnx
+
+    model = example.CNN(config, axis_name="data", rngs=nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(model, optax.adamw(config.lr), wrt=nnx.Param)
+    state = nnx.state((model, optimizer))
+    nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+
+    def loss_fn(model, x, y):
+        loss, logits = example.loss_fn(model, x, y)
+        return loss, sr.PerRank(logits)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, metrics, x, y):
+        grad_fn = srnnx.value_and_grad(loss_fn, mesh, "data", step=optimizer.step[...],
+                                       has_aux=True, skip_ratio=config.skip_ratio,
+                                       min_size=0, selective=example.UNSKIPPED)
+        (loss, logits), grads = grad_fn(model, x, y)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss, logits=logits.value, labels=y)
+        return loss
+
+    return model, optimizer, train_step
+
+
+def _digits_run(setup, config, mesh, steps=3):
+    import nnx_cnn_digits as example
+
+    data = example.make_data(False, mesh.size, 0)
+    with jax.set_mesh(mesh):
+        model, optimizer, step = setup(mesh, config)
+        metrics = example.make_metrics()
+        losses = []
+        for rows in example.batch_indices(data, steps, config.batch_per_rank, 0):
+            x, y = jax.device_put((data.x_train[rows], data.y_train[rows]),
+                                  NamedSharding(mesh, P("data")))
+            losses.append(float(step(model, optimizer, metrics, x, y)))
+        test = example.evaluate(model, data.x_test, data.y_test)
+    return model, losses, {k: float(v) for k, v in metrics.compute().items()}, test
+
+
+@pytest.fixture
+def nnx_example(monkeypatch):
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    return pytest.importorskip("nnx_cnn_digits")
+
+
+def test_nnx_example_step_with_one_line_changed(nnx_example):
+    mesh = jax.make_mesh((8,), ("data",))
+    config = nnx_example.Config(width=4, batch_per_rank=4, dropout=0.0, skip_ratio=0.0)
+    model, losses, metrics, test = _digits_run(_digits_jit_setup, config, mesh)
+    ref_model, ref_losses, ref_metrics, ref_test = _digits_run(
+        nnx_example.plain_setup, config, mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for kind in (nnx.Param, nnx.BatchStat):
+        for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, kind)),
+                        jax.tree_util.tree_leaves(nnx.state(ref_model, kind)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert metrics == pytest.approx(ref_metrics, rel=1e-5)  # every rank's logits
+    assert test == pytest.approx(ref_test, rel=1e-4)
+    # Random SkipReduce with dropout: replicas stay bit-identical.
+    config = nnx_example.Config(width=4, batch_per_rank=2)
+    model, losses, _, _ = _digits_run(_digits_jit_setup, config, mesh)
+    sr.assert_replicated(nnx.state(model), mesh)
+    assert np.isfinite(losses).all()
