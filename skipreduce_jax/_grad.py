@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -150,6 +151,11 @@ def value_and_grad(
     - A loss that divides by a count from its batch (tokens, weights)
       divides by :func:`mean_count` of it: exact on padded batches.
 
+    On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
+    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
+    then runs with those axes Auto (``jax.sharding.auto_axes``), and the
+    grads are pinned to the params' layouts.
+
     It keeps no state. The key of each step is derived from ``seed`` (a
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
     derives it from its step count, and warm-up is decided from ``step``;
@@ -230,7 +236,14 @@ def value_and_grad(
             "batch is split over it. Take the params out of batch_argnums.")
     grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
-    def wrapped(*args):
+    single = isinstance(argnums, (int, np.integer))
+
+    def wrapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{_API}: pass fun's arguments positionally (got keyword "
+                f"arguments {sorted(kwargs)}); argnums and batch_argnums count "
+                "positions.")
         for i in params_at + (given_batch or ()):
             if i >= len(args):
                 raise ValueError(
@@ -238,16 +251,15 @@ def value_and_grad(
                     f"of range for a call with {len(args)} arguments.")
         batch = (tuple(i for i in range(len(args)) if i not in params_at)
                  if given_batch is None else given_batch)
-        ranks = 1
-        for a in axes:
-            ranks *= mesh.shape[a]
+        ranks = math.prod(mesh.shape[a] for a in axes)
         for i in batch:
             _check_batch(args[i], i, ranks, axes, api=_API, traced=True)
-        specs = _param_specs(_params_of(args, params_at), param_specs, mesh, axes)
+        params = _params_of(args, params_at, single)
+        specs = _param_specs(params, param_specs, mesh, axes)
 
         def local(step, *local_args):
             """One rank: local value and grads, reduced by skip_reduce."""
-            local_params = _params_of(local_args, params_at)
+            local_params = _params_of(local_args, params_at, single)
             local_args = list(local_args)
             for i in params_at:
                 local_args[i] = to_varying(local_args[i], axes)
@@ -258,15 +270,17 @@ def value_and_grad(
                 grads, _ = tx.update(grads, state, local_params)
             return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
 
-        return _mapped(local, mesh, axes, step, args, batch,
-                       _params_of(args, params_at), specs)
+        return _mapped(local, mesh, axes, step, args, batch, params, specs)
 
     return wrapped
 
 
-def _params_of(args: Sequence[Any], params_at: Sequence[int]) -> Any:
-    """The params, as ``jax.value_and_grad`` returns their grads."""
-    return args[params_at[0]] if len(params_at) == 1 else tuple(args[i] for i in params_at)
+def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
+    """The params, as ``jax.value_and_grad`` returns their grads.
+
+    ``single``: ``argnums`` is an int (else a tuple, grads as a tuple).
+    """
+    return args[params_at[0]] if single else tuple(args[i] for i in params_at)
 
 
 def _mapped(local: Callable[..., Any], mesh: jax.sharding.Mesh,

@@ -505,3 +505,23 @@ def test_nnx_example_step_with_one_line_changed(nnx_example):
     model, losses, _, _ = _digits_run(_digits_jit_setup, config, mesh)
     sr.assert_replicated(nnx.state(model), mesh)
     assert np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("argnums", [0, (0,), (0, 2)])
+def test_argnums_as_jax_value_and_grad(argnums):
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)
+
+    def loss(w, x, b):
+        return jnp.mean((w * x + b) ** 2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda w, x, b: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, argnums=argnums,
+            batch_argnums=1)(w, x, b))(1.0, x, 0.5)
+    ref = jax.value_and_grad(loss, argnums=argnums)(1.0, x, 0.5)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(TypeError, match="positionally"):
+        sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0)(1.0, x, b=0.5)
