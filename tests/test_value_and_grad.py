@@ -525,3 +525,51 @@ def test_argnums_as_jax_value_and_grad(argnums):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     with pytest.raises(TypeError, match="positionally"):
         sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0)(1.0, x, b=0.5)
+
+
+def test_train_state_and_multisteps_stay_as_written():
+    """A flax TrainState with optax.MultiSteps and a metric read from its
+    state: only the gradient line changes, and k = 0 is the plain step."""
+    from flax.training import train_state
+
+    mesh, _, params, batch = _layout("4x2-explicit")
+    batch = tuple(jax.device_put(b, NamedSharding(mesh, P("replica"))) for b in batch)
+
+    def loss_fn(p, b):
+        return _loss(p, b)[0]
+
+    def run(gradients):
+        @jax.jit
+        def step(state, batch):
+            grad_fn = gradients(state)
+            loss, grads = grad_fn(state.params, batch)
+            state = state.apply_gradients(grads=grads)
+            return state, loss, state.opt_state.gradient_step
+
+        tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+        with jax.set_mesh(mesh):
+            state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+            out = []
+            for _ in range(4):
+                state, loss, gradient_step = step(state, batch)
+                out.append((float(loss), int(gradient_step)))
+        return state, out
+
+    plain = run(lambda state: jax.value_and_grad(_loss_on_auto(loss_fn)))
+    adopted = run(lambda state: sr.value_and_grad(loss_fn, mesh, "replica", step=state.step,
+                                                  num_skip=0, min_size=0))
+    assert [g for _, g in adopted[1]] == [g for _, g in plain[1]] == [0, 1, 1, 2]
+    np.testing.assert_allclose([v for v, _ in adopted[1]], [v for v, _ in plain[1]],
+                               rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(adopted[0].params),
+                    jax.tree_util.tree_leaves(plain[0].params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def _loss_on_auto(fun):
+    """``fun`` with the mesh's axes Auto (a matmul over a sharded contraction
+    needs an out_sharding under Explicit ones)."""
+    def loss(p, b):
+        return jax.sharding.auto_axes(fun, out_sharding=P())(p, b)
+    return loss
