@@ -5,7 +5,9 @@ Collectives (call inside ``jax.shard_map``): :func:`ring_psum`,
 for error feedback), :func:`contribution_mask`.
 Optax: :func:`skip_reduce` (AdamW on it: :func:`skip_adamw`). Training
 loops: :func:`make_train_step` and friends; your own step: :func:`data_parallel` (flax NNX:
-``skipreduce_jax.nnx``). Multi-process: :func:`initialize`,
+``skipreduce_jax.nnx``); inside your own ``jax.jit`` step, in place of
+``jax.value_and_grad``: :func:`value_and_grad` (with :func:`mean_count`).
+Multi-process: :func:`initialize`,
 ``python -m skipreduce_jax.launch``.
 Cost model: ``python -m skipreduce_jax.cost``. Checkpoints:
 ``skipreduce_jax.checkpoint`` (``save``/``restore``; needs orbax-checkpoint).
@@ -20,6 +22,8 @@ from skipreduce_jax._collectives import skip_pmean as skip_pmean
 from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_and_left_out
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
+from skipreduce_jax._grad import mean_count as mean_count
+from skipreduce_jax._grad import value_and_grad as value_and_grad
 from skipreduce_jax._guards import assert_replicated as assert_replicated
 from skipreduce_jax._guards import check_replicated as check_replicated
 from skipreduce_jax._guards import leaf_agreement as leaf_agreement

@@ -252,12 +252,13 @@ def _check_rows(path: Any, leaf: Any, ranks: int, axes: tuple[str, ...], *,
 
 
 def _check_batch(tree: Any, argnum: int, ranks: int, axes: tuple[str, ...],
-                 *, api: str) -> None:
-    # A process passes its own part of the batch; ranks split the global one.
+                 *, api: str, traced: bool = False) -> None:
+    # A process passes its own part of the batch; ranks split the global one
+    # (``traced``: the leaves are global arrays inside jit).
     processes = jax.process_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         rows = np.shape(leaf)[0] if np.ndim(leaf) else None
-        if rows is not None and not _is_global(leaf):
+        if rows is not None and not traced and not _is_global(leaf):
             rows *= processes
         if rows is None or rows % ranks:
             raise ValueError(

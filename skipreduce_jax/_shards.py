@@ -73,24 +73,10 @@ def leaf_specs(leaves: Sequence[Any], treedef: Any, specs: Any, *,
     Returns:
       A list with one ``PartitionSpec`` or None per leaf.
     """
-    if specs is None:
-        given = [None] * len(leaves)
-    else:
-        try:
-            given = treedef.flatten_up_to(jax.tree_util.tree_map(
-                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
-                specs, treedef.unflatten(leaves),
-                is_leaf=lambda s: s is None or isinstance(s, P)))
-        except ValueError as e:
-            raise ValueError(
-                f"{api}: specs does not match the tree: give a pytree (or a "
-                f"prefix) of PartitionSpec or None per leaf. {e}") from e
+    given = given_specs(leaves, treedef, specs, api=api)
     out = []
     available = compiler_axes()
     for leaf, spec in zip(leaves, given):
-        if spec is not None and not isinstance(spec, P):
-            raise TypeError(f"{api}: specs has {spec!r}; each entry must be a "
-                            "jax.sharding.PartitionSpec or None.")
         spec = spec if spec_axes(spec) else _type_spec(leaf, available)
         axes = spec_axes(spec)
         reduced = [a for a in axes if a in reduced_axes]
@@ -109,6 +95,27 @@ def leaf_specs(leaves: Sequence[Any], treedef: Any, specs: Any, *,
                 f"(those are {list(available)}).")
         out.append(spec if axes else None)
     return out
+
+
+def given_specs(leaves: Sequence[Any], treedef: Any, specs: Any, *, api: str,
+                name: str = "specs") -> list[P | None]:
+    """``specs`` (None, or a pytree prefix of PartitionSpec / None) per leaf."""
+    if specs is None:
+        return [None] * len(leaves)
+    try:
+        given = treedef.flatten_up_to(jax.tree_util.tree_map(
+            lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
+            specs, treedef.unflatten(leaves),
+            is_leaf=lambda s: s is None or isinstance(s, P)))
+    except ValueError as e:
+        raise ValueError(
+            f"{api}: {name} does not match the tree: give a pytree (or a "
+            f"prefix) of PartitionSpec or None per leaf. {e}") from e
+    for spec in given:
+        if spec is not None and not isinstance(spec, P):
+            raise TypeError(f"{api}: {name} has {spec!r}; each entry must be a "
+                            "jax.sharding.PartitionSpec or None.")
+    return given
 
 
 def on_local_shards(fn: Callable[..., Any], leaves: list[Any],

@@ -29,6 +29,10 @@ state that still differs per rank, naming it. With a mesh from
 ``jax.make_mesh`` (Explicit axes), run code that mixes the step's outputs
 with new arrays, e.g. ``nnx.MultiMetric.update`` outside the step, under
 ``jax.set_mesh(mesh)``.
+
+Or keep flax's own step under ``nnx.jit`` and change one line:
+:func:`value_and_grad` in place of ``nnx.value_and_grad`` (stateless: the
+optimizer stays a plain ``nnx.Optimizer``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
+from skipreduce_jax._grad import mean_over_ranks
+from skipreduce_jax._grad import value_and_grad as _value_and_grad
 from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import (
     AxisNames,
@@ -53,7 +59,7 @@ from skipreduce_jax._parallel import (
 )
 from skipreduce_jax._training import init_opt_state, to_varying
 
-__all__ = ["data_parallel", "init_optimizer", "local_value_and_grad"]
+__all__ = ["data_parallel", "init_optimizer", "local_value_and_grad", "value_and_grad"]
 
 
 def local_value_and_grad(
@@ -103,24 +109,134 @@ def local_value_and_grad(
                                   api="skipreduce_jax.nnx.local_value_and_grad")
 
     def wrapped(model, *args):
-        filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
-        graphdef, params, *others = nnx.split(model, *filters)
-
-        # The states are arguments, so that the model merged inside the
-        # differentiated function is this trace's own and may be mutated.
-        def pure(params, others, *args):
-            if rank_rngs:
-                keys = jax.tree_util.tree_map(lambda k: rank_key(k, axes),
-                                              others[0])
-                others = (keys, *others[1:])
-            local = nnx.merge(graphdef, params, *others, copy=True)
-            out = loss_fn(local, *args)
-            rest = nnx.split(local, *filters)[-1]  # BatchStat, RngCount, ...
-            loss, aux = out if has_aux else (out, None)
-            return loss, (aux, rest)
-
+        pure, params, others = _pure(loss_fn, model, wrt, axes, has_aux=has_aux,
+                                     rank_rngs=rank_rngs)
         (loss, (aux, rest)), grads = jax.value_and_grad(pure, has_aux=True)(
-            to_varying(params, axes), tuple(others), *args)
+            to_varying(params, axes), others, *args)
+        nnx.update(model, rest)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def _pure(loss_fn: Callable[..., Any], model: Any, wrt: Any,
+          axes: tuple[str, ...], *, has_aux: bool, rank_rngs: bool,
+          mean_rest: bool = False) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    """``loss_fn(model, *args)`` as a function of the model's states.
+
+    Returns ``(pure, params, others)``: ``pure(params, others, *args)``
+    returns ``(loss, (aux, rest))``, ``rest`` being the state the loss
+    updates (BatchStat, RngCount, ...), to write back with ``nnx.update``
+    (with ``mean_rest``, its float leaves that differ per rank averaged over
+    ``axes``). With ``rank_rngs`` the model's RNG keys are folded with the
+    rank's index over ``axes`` for the call (and not written back).
+    """
+    filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
+    graphdef, params, *others = nnx.split(model, *filters)
+
+    # The states are arguments, so that the model merged inside the
+    # differentiated function is this trace's own and may be mutated.
+    def pure(params, others, *args):
+        if rank_rngs:
+            keys = jax.tree_util.tree_map(lambda k: rank_key(k, axes), others[0])
+            others = (keys, *others[1:])
+        local = nnx.merge(graphdef, params, *others, copy=True)
+        out = loss_fn(local, *args)
+        rest = nnx.split(local, *filters)[-1]  # BatchStat, RngCount, ...
+        if mean_rest:
+            rest = mean_over_ranks(rest, axes)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, rest)
+
+    return pure, params, tuple(others)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames = "data",
+    *,
+    step: Any = None,
+    wrt: Any = nnx.Param,
+    has_aux: bool = False,
+    batch_argnums: int | Sequence[int] | None = None,
+    rank_rngs: bool = True,
+    param_specs: Any = None,
+    **skip_options: Any,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` whose gradient all-reduce is SkipReduce.
+
+    Use it inside your ``nnx.jit`` step in place of ``nnx.value_and_grad``;
+    the rest of the step (a plain ``nnx.Optimizer``, metrics) stays as it
+    is. It is :func:`skipreduce_jax.value_and_grad` of the model's ``wrt``
+    state: ``loss_fn(model, *args)`` runs on each rank's rows of the batch
+    arguments (``batch_argnums``, counted as for ``loss_fn``; default:
+    every argument after the model), and the grads, an ``nnx.State`` as
+    ``nnx.value_and_grad`` returns, are averaged by ``skip_reduce`` with
+    ``skip_options`` and identical on every rank. The value and aux are the
+    mean over ranks (:class:`skipreduce_jax.PerRank` leaves: every rank's
+    rows); divide by :func:`skipreduce_jax.mean_count` of a count from the
+    batch. The key comes from ``seed`` and ``step``: no optimizer state
+    needs to change.
+
+    Other state the loss updates is written back to the model, as the mean
+    over ranks: BatchNorm's running statistics. A BatchNorm without
+    ``axis_name`` normalizes each rank's rows with their own statistics
+    (PyTorch DDP's default), and its running averages become the mean of
+    the ranks'; give it ``axis_name`` set to the data axis for statistics
+    of the global batch (then it needs that axis bound outside too). With
+    ``rank_rngs`` each rank folds its index into the model's RNG keys for
+    the call, so ``nnx.Dropout`` draws its own mask on every rank; the RNG
+    counters advance alike.
+
+    Args:
+      loss_fn: ``loss_fn(model, *args)``, returning a scalar (``(loss, aux)``
+        with ``has_aux``), written for the global batch.
+      mesh: the device mesh.
+      axis_name: the data axis, or ``(outer, inner)``.
+      step: the training step (e.g. ``optimizer.step[...]``). Required.
+      wrt: the ``nnx`` filter of the variables to differentiate.
+      has_aux: as for ``nnx.value_and_grad``.
+      batch_argnums: positions (in ``loss_fn``'s arguments, the model being
+        0) split over ``axis_name``; None: every one after the model.
+      rank_rngs: per-rank RNG streams during the call (see above).
+      param_specs: as for :func:`skipreduce_jax.value_and_grad` (a prefix
+        of the ``wrt`` state).
+      **skip_options: :func:`skipreduce_jax.skip_reduce`'s options.
+
+    Returns:
+      ``f(model, *args) -> (value, grads)`` (``((value, aux), grads)`` with
+      ``has_aux``), ``grads`` an ``nnx.State``.
+
+    Example::
+
+        @nnx.jit
+        def train_step(model, optimizer, x, y):
+            grad_fn = srnnx.value_and_grad(loss_fn, mesh, "data",
+                                           step=optimizer.step[...],
+                                           skip_ratio=0.5, min_size=0)
+            loss, grads = grad_fn(model, x, y)
+            optimizer.update(model, grads)
+            return loss
+    """
+    api = "skipreduce_jax.nnx.value_and_grad"
+    axes = as_tuple(axis_name)
+    rank_rngs = checks.check_bool(rank_rngs, "rank_rngs", api=api)
+    given = (None if batch_argnums is None
+             else positions(batch_argnums, "batch_argnums", api=api))
+    if given is not None and 0 in given:
+        raise ValueError(f"{api}: batch_argnums={batch_argnums!r} holds 0, the "
+                         "model; count the batch arguments from 1.")
+
+    def wrapped(model, *args):
+        pure, params, others = _pure(loss_fn, model, wrt, axes, has_aux=has_aux,
+                                     rank_rngs=rank_rngs, mean_rest=True)
+        # pure(params, others, *args): the loss's argument i is at i + 1.
+        batch = (tuple(range(2, len(args) + 2)) if given is None
+                 else tuple(i + 1 for i in given))
+        (loss, (aux, rest)), grads = _value_and_grad(
+            pure, mesh, axis_name, step=step, has_aux=True, batch_argnums=batch,
+            param_specs=param_specs, **skip_options)(params, others, *args)
         nnx.update(model, rest)
         return ((loss, aux) if has_aux else loss), grads
 

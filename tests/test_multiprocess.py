@@ -396,6 +396,40 @@ def test_hsdp_checkpoint_resume_bit_identical(hsdp_job, layout) -> None:
 
 
 # --------------------------------------------------------------------------
+# value_and_grad in a plain jit step: replicas across processes, fsdp inside.
+
+
+def test_value_and_grad_across_processes(tmp_path) -> None:
+    """2 processes x 4 devices: k=0 equals XLA's step in one process (10
+    Adam steps); Random's replicas are bit-identical shard by shard and
+    close to the same run in one process."""
+    processes, devices = 2, 4
+    proc = _launch(processes, devices, SCRIPTS / "value_and_grad.py", str(tmp_path))
+    assert proc.returncode == 0, _output(proc)
+    results = launcher_results(proc.stdout)
+    assert_all_dead([int(r["pid"]) for r in results.values()])
+    assert sorted(results) == list(range(processes)), _output(proc)
+    reference = _hsdp_reference(processes)
+    mesh = common.hsdp_mesh(jax.devices(), processes)
+
+    def batch(t):
+        return tuple(jax.device_put(a, NamedSharding(mesh, P("replica")))
+                     for a in common.hsdp_batch(t, processes))
+
+    random, _ = common.value_and_grad_run(mesh, "random", batch)
+    for case, want in (("k0", reference["xla"]),
+                       ("random", {k: np.asarray(v) for k, v in random.items()})):
+        _assert_shards_identical(_job_files(tmp_path, f"vg_{case}.json", processes),
+                                 devices)
+        for got in _job_files(tmp_path, f"vg_{case}.npz", processes):
+            losses = got.pop("losses")
+            if case == "k0":
+                np.testing.assert_allclose(losses, reference["losses"], rtol=HSDP_RTOL)
+            _assert_close(got, want)
+    assert not np.allclose(random["w1"], reference["xla"]["w1"], rtol=1e-3)
+
+
+# --------------------------------------------------------------------------
 # FSDP: params sharded by rows over a data axis spanning every process.
 
 FSDP = SCRIPTS / "fsdp.py"

@@ -418,3 +418,43 @@ def sharded_job(directory: str, mode: str, mesh: Mesh, fresh: Callable[..., Any]
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(f"RESULT mode={mode} process={me} devices={jax.device_count()} pid={os.getpid()}")
+
+
+# --------------------------------------------------------------------------
+# value_and_grad inside a plain jax.jit step, on the HSDP layout.
+
+#: skip_reduce's options of the value_and_grad checks, by case.
+VALUE_AND_GRAD_CASES = {"k0": dict(num_skip=0), "random": dict(skip_ratio=0.5)}
+
+
+def value_and_grad_run(mesh: Mesh, case: str, batch: Callable[[int], Any]
+                       ) -> tuple[Any, list[float]]:
+    """:data:`HSDP_STEPS` steps of a user's ``jax.jit`` step with Adam.
+
+    ``skipreduce_jax.value_and_grad`` stands where ``jax.value_and_grad``
+    would, with :data:`VALUE_AND_GRAD_CASES` ``[case]``; ``batch(t)`` is the
+    global batch of step t as arrays on ``mesh``. Returns the params and
+    the losses.
+    """
+    adam = optax.adam(1e-2)
+    specs = {k: NamedSharding(mesh, s) for k, s in HSDP_SPECS.items()}
+
+    @jax.jit
+    def step(params, opt_state, batch, t):
+        loss, grads = sr.value_and_grad(
+            hsdp_loss, mesh, "replica", step=t, seed=5, min_size=0, param_specs=specs,
+            **VALUE_AND_GRAD_CASES[case])(params, batch)
+        updates, opt_state = adam.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with jax.set_mesh(mesh):
+        params = hsdp_params(mesh)
+        opt_state = jax.jit(adam.init)(params)
+        losses = []
+        for t in range(HSDP_STEPS):
+            params, opt_state, loss = step(params, opt_state, batch(t), t)
+            losses.append(float(loss))
+    # As for jax.value_and_grad: one more compilation, for the outputs
+    # spelling P("fsdp", None) as P("fsdp"); none after.
+    assert step._cache_size() == 2
+    return params, losses

@@ -1,0 +1,434 @@
+"""``value_and_grad``: SkipReduce where ``jax.value_and_grad`` stood.
+
+Called inside the user's own ``jax.jit`` step, it is a ``jax.shard_map``
+manual over the data axis only: each rank differentiates the loss on its
+rows of the batch (the other mesh axes stay with the compiler, so the loss
+is plain GSPMD code there), and :func:`skip_reduce`'s reduction, built with
+the caller's options, averages the local gradients. It keeps no state: the
+step's key and warm-up come from ``seed`` and the ``step`` the caller
+passes, as :func:`skip_reduce` derives them from its own step count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from skipreduce_jax import _shards
+from skipreduce_jax._parallel import (
+    AxisNames,
+    _check_batch,
+    data_spec,
+    mesh_axes,
+    per_rank_flags,
+    positions,
+)
+from skipreduce_jax._training import to_varying
+from skipreduce_jax._transform import skip_reduce
+from skipreduce_jax._vma import varying_axes
+
+_API = "value_and_grad"
+# The data axes of the value_and_grad being traced (None outside any).
+_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "skipreduce_value_and_grad_axes", default=None)
+_SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_name"}
+# Options that keep state from step to step, which a stateless entry point
+# cannot carry, and what to do instead.
+_STATEFUL = {
+    "error_feedback": "error_feedback=True keeps a residual per rank",
+    "control_variate": "control_variate keeps a deviation per rank",
+    "monitor": "monitor=True keeps a running estimate",
+    "params_sharded": "params_sharded=True takes params sharded over the data "
+                      "axis (FSDP), whose blocks the step must gather",
+    "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",
+}
+_OPTAX_ROUTE = (
+    "Use the optax route, which carries state: optax.chain(skip_reduce(...), "
+    "...) in make_train_step, or in a data_parallel step with "
+    "local_value_and_grad and init_opt_state.")
+
+
+def mean_count(count: Any) -> Any:
+    """A batch's count as a loss that divides by it must see it on each rank.
+
+    A loss that divides a sum by a count taken from its batch (tokens that
+    are not padding, example weights) is exact on the global batch only if
+    it divides by the global count. Divide by ``mean_count(count)``: inside
+    :func:`value_and_grad` it is the count averaged over the ranks (the
+    global count over N), so the mean over ranks of the per-rank losses, and
+    of their gradients, is the global sum over the global count; anywhere
+    else (plain ``jax.value_and_grad``, evaluation) it is ``count`` itself.
+    The same loss then gives the same value and gradients both ways (at
+    ``num_skip=0``), padded batches included.
+
+    Args:
+      count: an array (e.g. ``jnp.sum(mask)``), computed from this rank's
+        rows inside :func:`value_and_grad`.
+
+    Returns:
+      ``lax.pmean(count, data axes)`` inside :func:`value_and_grad`, else
+      ``count``.
+
+    Example:
+      >>> def loss_fn(w, batch):
+      ...     x, mask = batch
+      ...     return jnp.sum(mask * (x * w) ** 2) / mean_count(jnp.sum(mask))
+      >>> x = jnp.arange(16.0)
+      >>> mask = (x % 3 > 0).astype(jnp.float32)  # padding: uneven per rank
+      >>> plain = jax.value_and_grad(loss_fn)(1.0, (x, mask))
+      >>> with jax.set_mesh(mesh):
+      ...     skipped = jax.jit(lambda w: value_and_grad(
+      ...         loss_fn, mesh, "data", step=0, num_skip=0)(w, (x, mask)))(1.0)
+      >>> bool(jnp.allclose(plain[0], skipped[0])), bool(
+      ...     jnp.allclose(plain[1], skipped[1]))
+      (True, True)
+    """
+    axes = _AXES.get()
+    if axes is None:
+        return count
+    return lax.pmean(count, axes)
+
+
+@contextlib.contextmanager
+def _counting_over(axes: tuple[str, ...]) -> Iterator[None]:
+    token = _AXES.set(axes)
+    try:
+        yield
+    finally:
+        _AXES.reset(token)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis_name: AxisNames,
+    *,
+    step: Any = None,
+    has_aux: bool = False,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    param_specs: Any = None,
+    **skip_options: Any,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` whose gradient all-reduce is SkipReduce.
+
+    Use it inside your own ``jax.jit`` step in place of
+    ``jax.value_and_grad``; the optimizer, its state and the loop stay as
+    they are. The returned function takes the global arrays ``fun`` takes
+    and returns global arrays, as ``jax.value_and_grad`` does:
+
+    - Arguments in ``argnums`` are the params: replicated over
+      ``axis_name`` (any layout over other mesh axes). Arguments in
+      ``batch_argnums`` (default: every other positional argument) are split
+      over ``axis_name`` along their leading dimension, which must divide by
+      the number of ranks; the rest are passed to every rank whole.
+    - ``fun`` runs on each rank's rows (a ``jax.shard_map`` manual over
+      ``axis_name`` only; over the other mesh axes it stays GSPMD code). The
+      local gradients are averaged by :func:`skip_reduce` with
+      ``skip_options``: the grads are identical on every rank and keep the
+      params' layouts; with ``num_skip=0`` they are ``jax.value_and_grad``'s
+      on the global batch (for a loss that is a mean over equal shares of
+      it, or that divides by :func:`mean_count`).
+    - The value, and every leaf of ``aux``, come back as the MEAN over
+      ranks. Leaves of ``aux`` wrapped in :class:`PerRank` (e.g.
+      ``PerRank(per_example_loss)``, ``PerRank(logits)``) come back as every
+      rank's rows concatenated, in the order of the global batch. An ``aux``
+      leaf that is not a float and differs per rank is refused (wrap it in
+      :class:`PerRank`); one with a row per example of the rank's batch
+      is averaged with a warning naming :class:`PerRank`.
+    - A loss that divides by a count from its batch (tokens, weights)
+      divides by :func:`mean_count` of it: exact on padded batches.
+
+    On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
+    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
+    then runs with those axes Auto (``jax.sharding.auto_axes``), and the
+    grads are pinned to the params' layouts.
+
+    It keeps no state. The key of each step is derived from ``seed`` (a
+    ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
+    derives it from its step count, and warm-up is decided from ``step``;
+    so the same step numbers drop the same contributions. Options that carry
+    state from step to step (``error_feedback``, ``control_variate``,
+    ``monitor``) are refused: use ``skip_reduce`` in the optimizer chain for
+    those.
+
+    Args:
+      fun: the loss, as for ``jax.value_and_grad``, written for the global
+        batch.
+      mesh: the device mesh.
+      axis_name: the data axis; ``(outer, inner)`` for hierarchical
+        SkipReduce (the batch is split over both; only ``outer`` skips).
+      step: the training step (an int, or a traced int scalar such as
+        ``state.step``). Required.
+      has_aux: as for ``jax.value_and_grad``.
+      argnums: the params' positions, as for ``jax.value_and_grad``.
+      batch_argnums: positions split over ``axis_name``; None: every
+        position not in ``argnums``.
+      param_specs: how the params are laid out over the other mesh axes (a
+        pytree prefix of ``PartitionSpec`` or ``NamedSharding``, e.g. the
+        params' part of the ``in_shardings`` given to ``jax.jit``), so that
+        the skipped ring runs on each device's shards and nothing crosses
+        those axes. Under Explicit mesh axes it is read from the params'
+        types. Under Auto axes the layout is unknown inside ``jax.jit``
+        unless given: without it, with ``num_skip > 0``, the compiler
+        gathers sharded leaves over those axes before the ring, and the
+        grads come back replicated over them (the same values; on the
+        (replica=4, fsdp=2) mesh of the tests, twice the bytes over
+        ``replica`` and 21 kB more over ``fsdp``).
+      **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
+        ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
+
+    Returns:
+      ``f(*args) -> (value, grads)`` (``((value, aux), grads)`` with
+      ``has_aux``), as ``jax.value_and_grad`` returns.
+
+    Raises:
+      ValueError: if ``step`` is missing or not an int scalar, an option
+        needs state, ``axis_name`` is not an axis of ``mesh``, or a batch
+        leaf does not split evenly over the ranks.
+
+    Example:
+      >>> import optax
+      >>> def loss_fn(w, x):
+      ...     return jnp.mean((x @ w - 1.0) ** 2)
+      >>> tx = optax.sgd(0.1)
+      >>> @jax.jit
+      ... def train_step(w, opt_state, x, step):
+      ...     grad_fn = value_and_grad(loss_fn, mesh, "data", step=step,
+      ...                              skip_ratio=0.5, min_size=0)
+      ...     loss, grads = grad_fn(w, x)
+      ...     updates, opt_state = tx.update(grads, opt_state)
+      ...     return optax.apply_updates(w, updates), opt_state, loss
+      >>> w, x = jnp.zeros(4), jnp.ones((16, 4))
+      >>> with jax.set_mesh(mesh):  # mesh: 8 devices, one axis "data"
+      ...     w, opt_state, loss = train_step(w, tx.init(w), x, 0)
+      >>> float(loss)
+      1.0
+    """
+    axes = mesh_axes(mesh, axis_name, api=_API)
+    if len(axes) > 2:
+        raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
+                         "axis, or two (outer, inner) for hierarchical SkipReduce.")
+    step = _check_step(step)
+    _check_options(skip_options)
+    tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
+                     **{"monitor": False, **skip_options})
+    params_at = positions(argnums, "argnums", api=_API)
+    given_batch = (None if batch_argnums is None
+                   else positions(batch_argnums, "batch_argnums", api=_API))
+    both = sorted(set(params_at) & set(given_batch or ()))
+    if both:
+        raise ValueError(
+            f"{_API}: argnums={argnums!r} and batch_argnums={batch_argnums!r} "
+            f"share {both}: params are replicated over {axis_name!r}, the "
+            "batch is split over it. Take the params out of batch_argnums.")
+    grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    single = isinstance(argnums, (int, np.integer))
+
+    def wrapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{_API}: pass fun's arguments positionally (got keyword "
+                f"arguments {sorted(kwargs)}); argnums and batch_argnums count "
+                "positions.")
+        for i in params_at + (given_batch or ()):
+            if i >= len(args):
+                raise ValueError(
+                    f"{_API}: argnum {i} (in argnums or batch_argnums) is out "
+                    f"of range for a call with {len(args)} arguments.")
+        batch = (tuple(i for i in range(len(args)) if i not in params_at)
+                 if given_batch is None else given_batch)
+        ranks = math.prod(mesh.shape[a] for a in axes)
+        for i in batch:
+            _check_batch(args[i], i, ranks, axes, api=_API, traced=True)
+        params = _params_of(args, params_at, single)
+        specs = _param_specs(params, param_specs, mesh, axes)
+
+        def local(step, *local_args):
+            """One rank: local value and grads, reduced by skip_reduce."""
+            local_params = _params_of(local_args, params_at, single)
+            local_args = list(local_args)
+            for i in params_at:
+                local_args[i] = to_varying(local_args[i], axes)
+            with _counting_over(axes), _shards.hints(
+                    jax.tree_util.tree_leaves(local_params), specs):
+                out, grads = grad(*local_args)
+                state = tx.init(local_params)._replace(count=step)
+                grads, _ = tx.update(grads, state, local_params)
+            return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
+
+        return _mapped(local, mesh, axes, step, args, batch, params, specs)
+
+    return wrapped
+
+
+def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
+    """The params, as ``jax.value_and_grad`` returns their grads.
+
+    ``single``: ``argnums`` is an int (else a tuple, grads as a tuple).
+    """
+    return args[params_at[0]] if single else tuple(args[i] for i in params_at)
+
+
+def _mapped(local: Callable[..., Any], mesh: jax.sharding.Mesh,
+            axes: tuple[str, ...], step: Any, args: tuple, batch: Sequence[int],
+            params: Any, specs: list[P | None]) -> Any:
+    """``local`` run per rank: manual over ``axes``, the rest the compiler's.
+
+    ``params`` and their ``specs`` over the compiler's axes give the grads'
+    layouts.
+    """
+    split = data_spec(axes)
+    in_specs = (P(),) + tuple(
+        jax.tree_util.tree_map(lambda _: split, a) if i in batch else
+        jax.tree_util.tree_map(lambda _: P(), a) for i, a in enumerate(args))
+    explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                     if t == jax.sharding.AxisType.Explicit)
+
+    def run(fn, out_specs, out_shardings):
+        if not explicit:
+            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 axis_names=set(axes), check_vma=True)(step, *args)
+        # Under Explicit axes a (partial-manual) shard_map takes its inputs
+        # only as Auto (on the context mesh auto_axes sets), and its outputs
+        # are pinned to their layouts.
+        return jax.sharding.auto_axes(
+            jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
+                          axis_names=set(axes), check_vma=True),
+            axes=explicit, out_sharding=out_shardings)(step, *args)
+
+    found = {}
+
+    def probe(*a):
+        found["value"] = local(*a)[0]
+        return ()
+
+    # A first, abstract trace finds which leaves of the value and aux are per
+    # rank; the caller's jit caches both traces.
+    jax.eval_shape(lambda: run(probe, (), ()))
+    out_specs = (_out_specs(found["value"], split), P())
+    grad_shardings = jax.tree_util.tree_structure(params).unflatten(
+        [NamedSharding(mesh, s or P()) for s in specs])
+    return run(local, out_specs, (jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), out_specs[0]), grad_shardings))
+
+
+def _out_specs(out: Any, split: P) -> Any:
+    """``P()`` for each leaf of the value and aux; ``split`` for PerRank rows."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    return treedef.unflatten([split if f else P()
+                              for f, _ in zip(per_rank_flags(out), leaves, strict=True)])
+
+
+def _local_rows(local_args: Sequence[Any], batch: Sequence[int]) -> set[int]:
+    """The leading dimensions of this rank's batch leaves."""
+    return {leaf.shape[0] for i in batch
+            for leaf in jax.tree_util.tree_leaves(local_args[i]) if np.ndim(leaf)}
+
+
+def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -> Any:
+    """The value and aux, each leaf the mean over ranks (PerRank: as it is).
+
+    A leaf whose leading dimension is that of this rank's batch looks per
+    example (logits, per-token losses): its mean over ranks mixes the rows
+    of different examples, so it is averaged with a warning naming PerRank.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
+    leaves = []
+    for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
+        vary = tuple(a for a in axes if a in varying_axes(leaf))
+        if per_rank or not vary:
+            leaves.append(leaf)
+        elif jnp.issubdtype(leaf.dtype, jnp.inexact):
+            if np.ndim(leaf) and leaf.shape[0] in rows:
+                warnings.warn(
+                    f"{_API}: the aux output at "
+                    f"{jax.tree_util.keystr(path) or 'the root'} of local shape "
+                    f"{leaf.shape} has a row per example of this rank's batch; it "
+                    "comes back as the mean over ranks of those rows, not one row "
+                    "per example. For every rank's rows (global batch order) "
+                    "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
+                    "the loss (e.g. jnp.mean(x)).", stacklevel=4)
+            leaves.append(lax.pmean(leaf, vary))
+        else:
+            raise ValueError(
+                f"{_API}: the aux output at {jax.tree_util.keystr(path) or 'the root'} "
+                f"({leaf.dtype}) differs per rank and is not a float, so it has "
+                "no mean over ranks. Return it as a float, or per rank, wrapped "
+                "in skipreduce_jax.PerRank(x) (rows of every rank concatenated).")
+    return treedef.unflatten(leaves)
+
+
+def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
+                 axes: tuple[str, ...]) -> list[P | None]:
+    """One spec over the compiler's axes per param leaf (None: replicated)."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if given is not None:
+        given = jax.tree_util.tree_map(  # shardings (jit's in_shardings) too
+            lambda s: s.spec if isinstance(s, NamedSharding) else s, given,
+            is_leaf=lambda s: s is None or isinstance(s, (P, NamedSharding)))
+        specs = _shards.given_specs(leaves, treedef, given, api=_API,
+                                    name="param_specs")
+    else:
+        specs = [getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+                 for x in leaves]
+    out = []
+    for leaf, spec in zip(leaves, specs, strict=True):
+        named = set(_shards.spec_axes(spec))
+        if named & set(axes):
+            raise ValueError(
+                f"{_API}: a param of shape {tuple(leaf.shape)} is sharded over "
+                f"{sorted(named & set(axes))} (spec {spec}), the data axis: the "
+                "params must be replicated over it (any layout over the other "
+                "mesh axes). For FSDP over the data axis use make_train_step "
+                "with skip_reduce(..., params_sharded=True).")
+        unknown = named - set(mesh.axis_names)
+        if unknown:
+            raise ValueError(f"{_API}: param_specs names {sorted(unknown)}, not "
+                             f"axes of the mesh {tuple(mesh.axis_names)}.")
+        out.append(spec if named else None)
+    return out
+
+
+def _check_step(step: Any) -> Any:
+    if step is None:
+        raise ValueError(
+            f"{_API}: pass step=, the training step (e.g. step=state.step; a "
+            "traced int is fine). The key of each step's drops comes from seed "
+            "and step, and warm-up from step: it keeps no state of its own.")
+    step = jnp.asarray(step)
+    if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise ValueError(
+            f"{_API}: step must be an int scalar (e.g. state.step), got an "
+            f"array of shape {step.shape} and dtype {step.dtype}.")
+    return step.astype(jnp.int32)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - _SKIP_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{_API}: unknown options {unknown}; the options are "
+            f"value_and_grad's own and skip_reduce's ({sorted(_SKIP_OPTIONS)}).")
+    for name, why in _STATEFUL.items():
+        value = options.get(name)
+        if value is None or value is False:
+            continue
+        if name == "inner_axis":
+            raise ValueError(f"{_API}: {why}.")
+        raise ValueError(
+            f"{_API}: {why}, and value_and_grad keeps no state from step to "
+            f"step. {_OPTAX_ROUTE}")
