@@ -475,16 +475,26 @@ def compile_collective(fn: Callable[[jax.Array], jax.Array], mesh: jax.sharding.
     return jax.jit(f).lower(x).compile()
 
 
-def mlp(width: int, layers: int) -> tuple[Callable, dict]:
-    """A ReLU MLP regressing ``width`` inputs: ``(loss_fn, param shapes)``."""
-    shapes = {f"layer{i}": {"w": jax.ShapeDtypeStruct((width, width), jnp.float32),
-                            "b": jax.ShapeDtypeStruct((width,), jnp.float32)}
+def mlp(width: int, layers: int, bias: bool = True) -> tuple[Callable, dict]:
+    """A ReLU MLP regressing ``width`` inputs: ``(loss_fn, param shapes)``.
+
+    Args:
+      width: inputs, outputs and hidden units of every layer.
+      layers: how many ``width x width`` weight matrices.
+      bias: whether each layer also adds a ``(width,)`` bias. The biases
+        change how XLA:GPU schedules GSPMD's all-reduces against the backward
+        pass (``benchmarks/pods.md``), so the study compiles both.
+    """
+    weight = jax.ShapeDtypeStruct((width, width), jnp.float32)
+    vector = jax.ShapeDtypeStruct((width,), jnp.float32)
+    shapes = {f"layer{i}": {"w": weight, "b": vector} if bias else {"w": weight}
               for i in range(layers)}
 
     def loss_fn(params, batch):
         x, y = batch
         for i in range(layers):
-            x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+            x = x @ params[f"layer{i}"]["w"]
+            x = x + params[f"layer{i}"]["b"] if bias else x
             x = jax.nn.relu(x) if i < layers - 1 else x
         return jnp.mean((x - y) ** 2)
 
@@ -507,10 +517,10 @@ def _batch(mesh: jax.sharding.Mesh, width: int, per_device: int) -> tuple:
 
 
 def compile_gspmd_step(mesh: jax.sharding.Mesh, width: int = 1024, layers: int = 4,
-                       per_device: int = 32, compiler_options: dict | None = None
-                       ) -> Any:
+                       per_device: int = 32, compiler_options: dict | None = None,
+                       bias: bool = True) -> Any:
     """XLA's own data parallelism: params replicated, batch over all devices."""
-    loss_fn, shapes = mlp(width, layers)
+    loss_fn, shapes = mlp(width, layers, bias)
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, batch):
@@ -526,14 +536,14 @@ def compile_gspmd_step(mesh: jax.sharding.Mesh, width: int = 1024, layers: int =
 
 def compile_skipreduce_step(mesh: jax.sharding.Mesh, num_skip: int, width: int = 1024,
                             layers: int = 4, per_device: int = 32,
-                            compiler_options: dict | None = None, **skip_kwargs: Any
-                            ) -> Any:
+                            compiler_options: dict | None = None, bias: bool = True,
+                            **skip_kwargs: Any) -> Any:
     """:func:`skipreduce_jax.make_train_step` with ``skip_reduce`` then adam.
 
     Hierarchical over ``(slow, fast)`` when the slow axis has more than one
     member; flat over ``fast`` on a single node.
     """
-    loss_fn, shapes = mlp(width, layers)
+    loss_fn, shapes = mlp(width, layers, bias)
     if mesh.shape[SLOW] > 1:
         axes: Any = (SLOW, FAST)
         reduce = sr.skip_reduce(SLOW, num_skip=num_skip, inner_axis=FAST, **skip_kwargs)
@@ -562,6 +572,7 @@ class Schedule:
     collectives: tuple[Collective, ...]
     backward_matmuls: int
     memory: int
+    model: str = "-"
 
     def _of(self, slow: bool) -> list[Collective]:
         # The loss mean (a few bytes) would only clutter the table.
@@ -570,7 +581,7 @@ class Schedule:
 
     def row(self) -> list[str]:
         """The table row: per axis, collectives, async ones, and overlap."""
-        cells = [self.config, self.step]
+        cells = [self.config, self.model, self.step]
         for slow in (True, False):
             ops = self._of(slow)
             kinds = ", ".join(f"{n} {k}" for k, n in _counts(c.kind for c in ops))
@@ -606,14 +617,14 @@ NO_COMBINING = {
 }
 
 
-def schedule(config: str, step: str, compiled: Any, mesh: jax.sharding.Mesh
-             ) -> Schedule:
-    """Reads one compiled step."""
+def schedule(config: str, step: str, compiled: Any, mesh: jax.sharding.Mesh,
+             model: str = "-") -> Schedule:
+    """Reads one compiled step (``model`` names the model in the table)."""
     text = compiled.as_text()
     computations, entry = parse_computations(text)
     matmuls = sum(i.matmul and i.phase == "backward" for i in computations[entry])
     return Schedule(config, step, tuple(collectives(text, mesh_nodes(mesh))),
-                    matmuls, device_memory(compiled))
+                    matmuls, device_memory(compiled), model)
 
 
 def study(config: str, mesh: jax.sharding.Mesh, num_skip: int, **model: Any
@@ -621,8 +632,10 @@ def study(config: str, mesh: jax.sharding.Mesh, num_skip: int, **model: Any
     """The GSPMD all-reduce step and the SkipReduce step on one mesh.
 
     SkipReduce is compiled twice: with XLA's default collective combining,
-    and with :data:`NO_COMBINING`.
+    and with :data:`NO_COMBINING`. ``model`` goes to :func:`mlp` (``bias``)
+    and the step's shapes (``width``, ``layers``, ``per_device``).
     """
+    label = "biases" if model.get("bias", True) else "no biases"
     platform = mesh.devices.flat[0].platform
     steps = {
         "XLA all-reduce (GSPMD)": lambda: compile_gspmd_step(mesh, **model),
@@ -632,11 +645,11 @@ def study(config: str, mesh: jax.sharding.Mesh, num_skip: int, **model: Any
             mesh, num_skip, min_size=0, compiler_options=NO_COMBINING[platform],
             **model),
     }
-    return [schedule(config, step, make(), mesh) for step, make in steps.items()]
+    return [schedule(config, step, make(), mesh, label) for step, make in steps.items()]
 
 
 MIN_LISTED_BYTES = 4096
-HEADER = ["pod", "step", "slow-axis collectives", "async", "overlapped compute",
+HEADER = ["pod", "model", "step", "slow-axis collectives", "async", "overlapped compute",
           "fast-axis collectives", "async", "overlapped compute",
           "slow MiB/device", "memory MiB/device"]
 
@@ -655,6 +668,10 @@ PODS = {
 }
 
 
+# --biases choice: the models compiled, in table order.
+BIASES = {"both": (True, False), "with": (True,), "without": (False,)}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -663,12 +680,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", choices=("gpu", "tpu"), default=None)
     parser.add_argument("--pod", choices=tuple(PODS), default=None,
                         help="compile one pod's rows only")
+    parser.add_argument("--biases", choices=tuple(BIASES), default="both",
+                        help="the model with a bias per layer, without, or both "
+                        "(side by side, the default)")
     args = parser.parse_args(argv)
-    model = dict(width=args.width, layers=args.layers, per_device=args.per_device)
     configs = [(name, make, k) for key, (name, make, k) in PODS.items()
                if (args.pod or key) == key
                and (args.only is None or key.startswith(args.only))]
-    rows = [s.row() for name, make, k in configs for s in study(name, make(), k, **model)]
+    rows = []
+    for name, make, k in configs:
+        mesh = make()
+        for bias in BIASES[args.biases]:
+            rows += [s.row() for s in study(
+                name, mesh, k, width=args.width, layers=args.layers,
+                per_device=args.per_device, bias=bias)]
     print(markdown(rows))
 
 

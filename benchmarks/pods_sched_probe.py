@@ -62,8 +62,8 @@ tag_cotangent.defvjp(_tag_fwd, _tag_bwd)
 def tagged_mlp(matmuls: dict[tuple[str, int], str]):
     """:func:`pods.mlp`, with ``("dX"|"dW", layer) -> group`` on backward matmuls."""
 
-    def make(width: int, layers: int):
-        _, shapes = _PLAIN_MLP(width, layers)
+    def make(width: int, layers: int, bias: bool = True):
+        _, shapes = _PLAIN_MLP(width, layers, bias)
 
         def loss_fn(params, batch):
             x, y = batch
@@ -73,7 +73,8 @@ def tagged_mlp(matmuls: dict[tuple[str, int], str]):
                     w = tag_cotangent(w, matmuls["dW", i])
                 if ("dX", i) in matmuls:
                     x = tag_cotangent(x, matmuls["dX", i])
-                x = x @ w + params[f"layer{i}"]["b"]
+                x = x @ w
+                x = x + params[f"layer{i}"]["b"] if bias else x
                 x = jax.nn.relu(x) if i < layers - 1 else x
             return jnp.mean((x - y) ** 2)
 

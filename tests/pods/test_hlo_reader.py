@@ -1,9 +1,12 @@
-"""The pod helper's HLO reader on hand-written HLO (no pods extra needed)."""
+"""The pod helper's HLO reader on hand-written HLO, and its model (no pods extra
+needed)."""
 # ruff: noqa: E501 -- lines of HLO text are long
 
 import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
@@ -133,3 +136,16 @@ def test_a_conditional_counts_the_branch_that_sends_the_most(branches):
                              [d // 8 for d in range(16)])
     assert [c.name for c in found] == ["cp.whole"]  # one branch runs per call
     assert pods.slow_bytes(found) == 64 * 4
+
+
+def test_the_model_without_biases_is_the_model_with_zero_biases():
+    loss_fn, shapes = pods.mlp(16, 3, bias=False)
+    biased_loss_fn, biased_shapes = pods.mlp(16, 3)
+    assert [x.shape for x in jax.tree_util.tree_leaves(shapes)] == [(16, 16)] * 3
+    keys = iter(jax.random.split(jax.random.key(0), 5))
+    params = jax.tree_util.tree_map(
+        lambda s: jax.random.normal(next(keys), s.shape), shapes)
+    biased = {name: {"w": layer["w"], "b": jnp.zeros(16)} for name, layer in params.items()}
+    assert jax.tree_util.tree_structure(biased) == jax.tree_util.tree_structure(biased_shapes)
+    batch = (jax.random.normal(next(keys), (4, 16)), jax.random.normal(next(keys), (4, 16)))
+    assert loss_fn(params, batch) == biased_loss_fn(biased, batch)

@@ -259,6 +259,14 @@ def test_fsdp_step_over_the_slow_axis_sends_the_formula(platform, k):
     assert pods.slow_bytes(found) <= pods.slow_bytes(xla) - 0.99 * k / n * whole
 
 
+def _hidden_backward_matmuls(compiled, mesh):
+    """(backward matmuls under an async collective, backward matmuls)."""
+    schedule = pods.schedule("1 x 8 H100", "-", compiled, mesh)
+    hidden = {i.name for c in schedule.collectives if c.asynchronous and not c.is_sync
+              for i in c.overlap if i.matmul and i.phase == "backward"}
+    return len(hidden), schedule.backward_matmuls
+
+
 def test_flat_step_runs_every_weight_gradient_matmul_under_a_collective():
     """Flat SkipReduce on 1 x 8 H100s, one 16 MiB bucket per weight.
 
@@ -270,8 +278,21 @@ def test_flat_step_runs_every_weight_gradient_matmul_under_a_collective():
     layers = 4
     skip = pods.compile_skipreduce_step(mesh, 4, width=2048, layers=layers,
                                         per_device=64, min_size=0)
-    schedule = pods.schedule("1 x 8 H100", "SkipReduce", skip, mesh)
-    hidden = {i.name for c in schedule.collectives if c.asynchronous and not c.is_sync
-              for i in c.overlap if i.matmul and i.phase == "backward"}
-    assert schedule.backward_matmuls == 2 * layers - 1
-    assert len(hidden) >= layers
+    hidden, backward = _hidden_backward_matmuls(skip, mesh)
+    assert backward == 2 * layers - 1
+    assert hidden >= layers
+
+
+def test_biases_decide_how_much_of_gspmds_all_reduce_xla_overlaps():
+    """XLA:GPU's scheduler, not the algorithm (benchmarks/pods.md).
+
+    With a bias per layer, GSPMD's all-reduces stay in flight over every
+    backward matmul but one; without biases XLA runs the dX matmuls first
+    with nothing in flight and hides only the dW ones after the first.
+    """
+    mesh = pods.gpu_mesh(1, 8)
+    layers = 4
+    counts = [_hidden_backward_matmuls(pods.compile_gspmd_step(
+        mesh, width=2048, layers=layers, per_device=64, bias=bias), mesh)
+        for bias in (True, False)]
+    assert counts == [(2 * layers - 2, 2 * layers - 1), (layers - 1, 2 * layers - 1)]
