@@ -35,6 +35,7 @@ from skipreduce_jax._parallel import (
     per_rank_flags,
     positions,
 )
+from skipreduce_jax._step_context import step_body
 from skipreduce_jax._training import to_varying
 from skipreduce_jax._transform import skip_reduce
 from skipreduce_jax._vma import varying_axes
@@ -270,7 +271,7 @@ def value_and_grad(
                 grads, _ = tx.update(grads, state, local_params)
             return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
 
-        return _mapped(local, mesh, axes, step, args, batch, params, specs)
+        return _mapped(step_body(local), mesh, axes, step, args, batch, params, specs)
 
     return wrapped
 

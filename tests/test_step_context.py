@@ -243,3 +243,49 @@ def test_boxed_dense_general_in_a_data_parallel_train_state_step():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(nn.unbox(state.params)["kernel"]),
                                np.asarray(ref["kernel"]), rtol=1e-5, atol=1e-6)
+
+
+def _value_and_grad_steps(loss, mesh, data, params, batch, specs, steps):
+    """The plain pjit loop with ``sr.value_and_grad`` for the gradient line."""
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s, batch, i):
+        value, grads = sr.value_and_grad(loss, mesh, data, step=i, num_skip=0,
+                                         param_specs=specs)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    state, losses = tx.init(params), []
+    with jax.set_mesh(mesh):
+        for i in range(steps):
+            params, state, value = step(params, state, batch, i)
+            losses.append(float(value))
+    return params, losses
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_a_global_named_sharding_constraint_works_in_value_and_grad(name):
+    mesh, data, batch_spec, params, batch = _setup(name)
+    specs = {"w1": MESHES[name][5], "w2": P()}
+    runs = [_value_and_grad_steps(_loss_fn(mesh, batch_spec, constrained), mesh, data,
+                                  params, batch, specs, STEPS) for constrained in (True, False)]
+    (params, losses), (ref_params, ref_losses) = runs
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_partitioned_dense_general_in_value_and_grad(axis_type):
+    steps = 5
+    ref, ref_losses = _plain_jit_steps(True, optax.adam(1e-2), steps)
+    mesh, model, params, batch = _dense_setup(True, axis_type)
+    specs = {"kernel": P("fsdp", None, None)}
+    with nn.logical_axis_rules(RULES):
+        params, losses = _value_and_grad_steps(_dense_loss(model), mesh, "replica", params,
+                                               batch, specs, steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(params["kernel"]), np.asarray(ref["kernel"]),
+                               rtol=1e-5, atol=1e-6)
