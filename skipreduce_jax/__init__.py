@@ -44,6 +44,7 @@ from skipreduce_jax._schedule import make_scatter_schedule as make_scatter_sched
 from skipreduce_jax._schedule import make_schedule as make_schedule
 from skipreduce_jax._schedule import ring_period as ring_period
 from skipreduce_jax._schedule import scatter_period as scatter_period
+from skipreduce_jax._selection import UnmatchedPatternWarning as UnmatchedPatternWarning
 from skipreduce_jax._selection import by_path as by_path
 from skipreduce_jax._selection import exclude as exclude
 from skipreduce_jax._stats import CommStats as CommStats

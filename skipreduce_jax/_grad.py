@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _shards
 from skipreduce_jax._parallel import (
     AxisNames,
-    _check_batch,
+    check_batch,
     data_spec,
     mesh_axes,
     per_rank_flags,
@@ -254,7 +254,9 @@ def value_and_grad(
                  if given_batch is None else given_batch)
         ranks = math.prod(mesh.shape[a] for a in axes)
         for i in batch:
-            _check_batch(args[i], i, ranks, axes, api=_API, traced=True)
+            check_batch(args[i], ranks, axes, api=_API, name=f"argument {i}",
+                        or_else="pass it in neither argnums nor batch_argnums "
+                                "(replicated)", traced=True)
         params = _params_of(args, params_at, single)
         specs = _param_specs(params, param_specs, mesh, axes)
 

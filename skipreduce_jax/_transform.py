@@ -33,7 +33,7 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
 from skipreduce_jax import _monitor, _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
-from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._guards import host_check, leaf_agreement, raise_in_callback
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
 from skipreduce_jax._radial import exact_radial, radial_ok
@@ -279,7 +279,8 @@ def skip_reduce(
         after ``skip_reduce`` (it then sees replicated values).
       verify_sync: debug: every step, compare the step count, key and
         settings across ranks (two all-reduces of a few words) and raise if
-        they differ.
+        they differ (the training steps wait for each call, to raise it
+        there as a plain ``RuntimeError``).
       params_sharded: the params are sharded over ``axis_name`` (FSDP /
         ZeRO): for a param that is this rank's 1/N block along its leading
         axis (its gradient is the whole leaf), the update is this rank's
@@ -492,6 +493,28 @@ def _check_rows(leaves: list[jax.Array], rows: list[jax.Array],
                 "skipreduce_jax.init_opt_state (or tx.init inside shard_map).")
 
 
+def _check_ring_input(leaves: list[jax.Array], key: jax.Array, phase: jax.Array,
+                      axes: tuple[str, ...]) -> None:
+    """Refuses what the skipped ring cannot take (before the collectives, which name theirs)."""
+    for g in leaves:
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise TypeError(
+                f"{_API}: got a gradient of dtype {g.dtype} and shape {g.shape}; "
+                "SkipReduce averages floating-point gradients only (float32, "
+                "bfloat16, float16). Keep other leaves out of the tree tx updates "
+                "(e.g. optax.masked or optax.partition), or split a complex leaf "
+                "into its real and imaginary parts.")
+    varying = sorted((coll.varying_axes(key) | coll.varying_axes(phase)) & set(axes))
+    if varying:
+        raise ValueError(
+            f"{_API}: the step's key, drawn from the state's key and count, varies "
+            f"over {varying}: the SkipReduceState differs per rank, so ranks would "
+            "disagree on what to drop. Pass the optimizer state replicated, as "
+            "skipreduce_jax.init_opt_state builds and state_specs lays it out "
+            "(only per_rank_fields, e.g. error-feedback residuals, hold a row per "
+            "rank).")
+
+
 def _update(config: _Config, updates: Any, state: SkipReduceState,
             params: Any) -> tuple[Any, SkipReduceState]:
     n, inner = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
@@ -519,6 +542,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     skip_step = (jnp.maximum(state.count - config.warmup_steps, 0)
                  if config.balanced else state.count)
     key, phase = balanced_draw(base, skip_step, period)
+    if num_skip > 0:
+        _check_ring_input([g for g, s in zip(leaves, skippable) if s], key, phase, axes)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
@@ -810,9 +835,9 @@ def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
             what = [name for name, ok in (("step count", count_ok),
                                           ("key (seed)", key_ok),
                                           ("settings", settings_ok)) if not ok]
-            raise RuntimeError(
+            raise_in_callback(RuntimeError(
                 f"{_API}(verify_sync=True): the {', '.join(what)} differ across "
                 f"ranks over {list(axes)} at step {int(count)}. Every rank must "
-                "use the same seed and settings and restore the same state.")
+                "use the same seed and settings and restore the same state."))
 
-    jax.debug.callback(check, *agree, state.count)
+    host_check(check, *agree, state.count)
