@@ -37,6 +37,7 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._monitor import ratios, warn_if_non_iid
 from skipreduce_jax._per_rank import per_rank_fields
+from skipreduce_jax._step_context import step_body
 from skipreduce_jax._vma import varying_axes
 
 AxisNames = str | tuple[str, ...]
@@ -461,6 +462,7 @@ class DataParallelStep:
                 if i not in self._batch]
         found = {}
 
+        @step_body  # the user's pjit-style sharding code, per rank
         def local(*local_flat):
             full = list(args)
             for i, value in zip(dynamic, in_tree.unflatten(local_flat),
@@ -683,6 +685,12 @@ def data_parallel(
     split over the data axes (FSDP / ZeRO) enters as this rank's block. An
     output with the structure of an argument (params, optimizer state, a
     TrainState) comes back in that argument's layout.
+
+    Inside the step, ``jax.lax.with_sharding_constraint(x, NamedSharding(
+    mesh, spec))`` with the global mesh works: the data axes are dropped
+    from ``spec`` (this rank's part of ``x`` is laid out over the other
+    axes as ``spec`` says). flax linen ``DenseGeneral`` kernels with several
+    features under ``nn.with_partitioning`` work too (docs/design.md).
 
     In a multi-process job a host batch is this process's part of the
     global batch, as for :func:`shard_batch`.
