@@ -51,7 +51,7 @@ def _run(variant, config):
     return mesh, params, state, history
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "dp"])
+@pytest.mark.parametrize("layout", ["hsdp", pytest.param("dp", marks=pytest.mark.slow)])
 def test_k0_step_equals_the_plain_jit_step_over_20_steps(layout):
     config = _config(mesh=layout, skip_ratio=0.0)
     _, _, plain, plain_metrics = _run("plain", config)
@@ -68,6 +68,7 @@ def test_k0_step_equals_the_plain_jit_step_over_20_steps(layout):
     assert int(adopted.step) == int(plain.step) == config.steps
 
 
+@pytest.mark.slow
 def test_random_skipping_trains_and_keeps_replicas_identical():
     config = _config(steps=30, skip_ratio=0.5, lr=1e-2)
     mesh, params, state, history = _run("skipreduce", config)
@@ -82,6 +83,7 @@ def test_random_skipping_trains_and_keeps_replicas_identical():
         jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(state.params), strict=True))
 
 
+@pytest.mark.slow
 def test_bytes_over_replica_are_the_formula_and_nothing_extra_crosses_fsdp():
     config = _config(skip_ratio=0.5)
     mesh = pjit_lm.make_mesh(config)
