@@ -32,7 +32,10 @@ step twice, so that the two can be compared line by line:
     through ``skipreduce_jax.mean_count``: each rank sees its rows of the
     batch, and a loss divided by that rank's own count would weight its
     tokens by the wrong normaliser whenever the ranks hold different
-    numbers of real tokens. Three lines differ, and the import.
+    numbers of real tokens. ``param_specs=shardings.params`` (the params'
+    part of ``in_shardings``) lets the ring run on each device's ``"fsdp"``
+    shards: Auto axes do not carry the layout inside ``jax.jit``. Three
+    lines differ, and the import.
 
 Everything else (model, state, shardings, ``MultiSteps``, metrics, loop) is
 shared. Each micro-step's gradients are reduced once (``MultiSteps`` then
