@@ -14,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,12 +143,18 @@ def value_and_grad(
       it, or that divides by :func:`mean_count`).
     - The value, and every leaf of ``aux``, come back as the MEAN over
       ranks. Leaves of ``aux`` wrapped in :class:`PerRank` (e.g.
-      ``PerRank(per_example_loss)``) come back as every rank's rows
-      concatenated, in the order of the global batch. An ``aux`` leaf that
-      is not a float and differs per rank is refused (wrap it in
-      :class:`PerRank`).
+      ``PerRank(per_example_loss)``, ``PerRank(logits)``) come back as every
+      rank's rows concatenated, in the order of the global batch. An ``aux``
+      leaf that is not a float and differs per rank is refused (wrap it in
+      :class:`PerRank`); one with a row per example of the rank's batch
+      is averaged with a warning naming :class:`PerRank`.
     - A loss that divides by a count from its batch (tokens, weights)
       divides by :func:`mean_count` of it: exact on padded batches.
+
+    On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
+    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
+    then runs with those axes Auto (``jax.sharding.auto_axes``), and the
+    grads are pinned to the params' layouts.
 
     It keeps no state. The key of each step is derived from ``seed`` (a
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
@@ -227,7 +236,14 @@ def value_and_grad(
             "batch is split over it. Take the params out of batch_argnums.")
     grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
-    def wrapped(*args):
+    single = isinstance(argnums, (int, np.integer))
+
+    def wrapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{_API}: pass fun's arguments positionally (got keyword "
+                f"arguments {sorted(kwargs)}); argnums and batch_argnums count "
+                "positions.")
         for i in params_at + (given_batch or ()):
             if i >= len(args):
                 raise ValueError(
@@ -235,16 +251,15 @@ def value_and_grad(
                     f"of range for a call with {len(args)} arguments.")
         batch = (tuple(i for i in range(len(args)) if i not in params_at)
                  if given_batch is None else given_batch)
-        ranks = 1
-        for a in axes:
-            ranks *= mesh.shape[a]
+        ranks = math.prod(mesh.shape[a] for a in axes)
         for i in batch:
             _check_batch(args[i], i, ranks, axes, api=_API, traced=True)
-        specs = _param_specs(_params_of(args, params_at), param_specs, mesh, axes)
+        params = _params_of(args, params_at, single)
+        specs = _param_specs(params, param_specs, mesh, axes)
 
         def local(step, *local_args):
             """One rank: local value and grads, reduced by skip_reduce."""
-            local_params = _params_of(local_args, params_at)
+            local_params = _params_of(local_args, params_at, single)
             local_args = list(local_args)
             for i in params_at:
                 local_args[i] = to_varying(local_args[i], axes)
@@ -253,17 +268,19 @@ def value_and_grad(
                 out, grads = grad(*local_args)
                 state = tx.init(local_params)._replace(count=step)
                 grads, _ = tx.update(grads, state, local_params)
-            return _mean_over_ranks(out, axes), grads
+            return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
 
-        return _mapped(local, mesh, axes, step, args, batch,
-                       _params_of(args, params_at), specs)
+        return _mapped(local, mesh, axes, step, args, batch, params, specs)
 
     return wrapped
 
 
-def _params_of(args: Sequence[Any], params_at: Sequence[int]) -> Any:
-    """The params, as ``jax.value_and_grad`` returns their grads."""
-    return args[params_at[0]] if len(params_at) == 1 else tuple(args[i] for i in params_at)
+def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
+    """The params, as ``jax.value_and_grad`` returns their grads.
+
+    ``single``: ``argnums`` is an int (else a tuple, grads as a tuple).
+    """
+    return args[params_at[0]] if single else tuple(args[i] for i in params_at)
 
 
 def _mapped(local: Callable[..., Any], mesh: jax.sharding.Mesh,
@@ -316,8 +333,19 @@ def _out_specs(out: Any, split: P) -> Any:
                               for f, _ in zip(per_rank_flags(out), leaves, strict=True)])
 
 
-def _mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
-    """The value and aux, each leaf the mean over ranks (PerRank: as it is)."""
+def _local_rows(local_args: Sequence[Any], batch: Sequence[int]) -> set[int]:
+    """The leading dimensions of this rank's batch leaves."""
+    return {leaf.shape[0] for i in batch
+            for leaf in jax.tree_util.tree_leaves(local_args[i]) if np.ndim(leaf)}
+
+
+def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -> Any:
+    """The value and aux, each leaf the mean over ranks (PerRank: as it is).
+
+    A leaf whose leading dimension is that of this rank's batch looks per
+    example (logits, per-token losses): its mean over ranks mixes the rows
+    of different examples, so it is averaged with a warning naming PerRank.
+    """
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
     leaves = []
     for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
@@ -325,6 +353,15 @@ def _mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
         if per_rank or not vary:
             leaves.append(leaf)
         elif jnp.issubdtype(leaf.dtype, jnp.inexact):
+            if np.ndim(leaf) and leaf.shape[0] in rows:
+                warnings.warn(
+                    f"{_API}: the aux output at "
+                    f"{jax.tree_util.keystr(path) or 'the root'} of local shape "
+                    f"{leaf.shape} has a row per example of this rank's batch; it "
+                    "comes back as the mean over ranks of those rows, not one row "
+                    "per example. For every rank's rows (global batch order) "
+                    "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
+                    "the loss (e.g. jnp.mean(x)).", stacklevel=4)
             leaves.append(lax.pmean(leaf, vary))
         else:
             raise ValueError(

@@ -47,6 +47,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
+from skipreduce_jax._grad import mean_over_ranks
 from skipreduce_jax._grad import value_and_grad as _value_and_grad
 from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import (
@@ -119,15 +120,16 @@ def local_value_and_grad(
 
 
 def _pure(loss_fn: Callable[..., Any], model: Any, wrt: Any,
-          axes: tuple[str, ...], *, has_aux: bool, rank_rngs: bool
-          ) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+          axes: tuple[str, ...], *, has_aux: bool, rank_rngs: bool,
+          mean_rest: bool = False) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
     """``loss_fn(model, *args)`` as a function of the model's states.
 
     Returns ``(pure, params, others)``: ``pure(params, others, *args)``
     returns ``(loss, (aux, rest))``, ``rest`` being the state the loss
-    updates (BatchStat, RngCount, ...), to write back with ``nnx.update``.
-    With ``rank_rngs`` the model's RNG keys are folded with the rank's index
-    over ``axes`` for the call (and not written back).
+    updates (BatchStat, RngCount, ...), to write back with ``nnx.update``
+    (with ``mean_rest``, its float leaves that differ per rank averaged over
+    ``axes``). With ``rank_rngs`` the model's RNG keys are folded with the
+    rank's index over ``axes`` for the call (and not written back).
     """
     filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
     graphdef, params, *others = nnx.split(model, *filters)
@@ -141,6 +143,8 @@ def _pure(loss_fn: Callable[..., Any], model: Any, wrt: Any,
         local = nnx.merge(graphdef, params, *others, copy=True)
         out = loss_fn(local, *args)
         rest = nnx.split(local, *filters)[-1]  # BatchStat, RngCount, ...
+        if mean_rest:
+            rest = mean_over_ranks(rest, axes)
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, rest)
 
@@ -226,7 +230,7 @@ def value_and_grad(
 
     def wrapped(model, *args):
         pure, params, others = _pure(loss_fn, model, wrt, axes, has_aux=has_aux,
-                                     rank_rngs=rank_rngs)
+                                     rank_rngs=rank_rngs, mean_rest=True)
         # pure(params, others, *args): the loss's argument i is at i + 1.
         batch = (tuple(range(2, len(args) + 2)) if given is None
                  else tuple(i + 1 for i in given))

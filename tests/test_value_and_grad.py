@@ -234,6 +234,10 @@ def test_clear_errors():
         _call(mesh, x, step=0, numskip=1)
     with pytest.raises(ValueError, match=r"not an axis of the mesh"):
         _call(mesh, x, step=0, num_skip=1, axis_name="data")
+    with pytest.raises(ValueError, match=r"param_specs does not match the tree"):
+        _call(mesh, x, step=0, num_skip=1, param_specs={"w": P()})
+    with pytest.raises(ValueError, match=r"param_specs names \['model'\]"):
+        _call(mesh, x, step=0, num_skip=1, param_specs=P("model"))
 
 
 def test_a_param_sharded_over_the_data_axis_is_refused():
@@ -384,3 +388,188 @@ def test_nnx_batch_argnums_counts_from_the_loss_arguments():
     np.testing.assert_allclose(got, loss(model, x, y, 2.0), rtol=1e-6)
     with pytest.raises(ValueError, match="holds 0, the model"):
         srnnx.value_and_grad(loss, mesh, "data", step=0, num_skip=0, batch_argnums=0)
+
+
+def test_hierarchical_axes_split_the_batch_over_both():
+    """axis_name=(outer, inner): k = 0 is jax.value_and_grad; with k > 0
+    every element sums all inner ranks of N - k outer ones."""
+    mesh = jax.make_mesh((4, 2), ("replica", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    rows = jnp.asarray([[2.0 ** (r // 2)] for r in range(8)])  # outer rank's bit
+
+    def loss(w, x):
+        return jnp.mean(w * x[:, :, None])
+
+    def grads(k, fun=loss):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda w, x: sr.value_and_grad(
+                fun, mesh, ("replica", "fsdp"), step=1, num_skip=k,
+                normalize="world", min_size=0)(w, x))(jnp.ones((4, 64)), rows)
+
+    (value, got), ref = grads(0), jax.value_and_grad(loss)(jnp.ones((4, 64)), rows)
+    np.testing.assert_allclose(value, ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got, ref[1], rtol=1e-6)
+    _, skipped = grads(2, lambda w, x: jnp.sum(w * x[:, :, None]))  # rank's bit
+    sr.assert_replicated(skipped, mesh)
+    bits = np.rint(np.asarray(skipped) * 8 / 2).astype(np.int64)  # /N, x2 inner
+    assert (np.vectorize(lambda b: bin(b).count("1"))(bits) == 2).all()
+
+
+def test_per_example_aux_without_per_rank_warns():
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+
+    def loss(w, x):
+        return jnp.mean(w * x), w * x  # a row per example, not wrapped
+
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match=r"PerRank\(x\)"):
+        (_, rows), _ = jax.jit(lambda w, x: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
+            1.0, jnp.arange(8.0))
+    assert rows.shape == (2,)  # the mean of the ranks' rows
+
+
+# The NNX adoption example's step under nnx.jit, with the one line changed.
+
+
+def _digits_jit_setup(mesh, config):
+    """``nnx_cnn_digits.plain_setup`` with ``srnnx.value_and_grad``.
+
+    What else differs: BatchNorm reduces its statistics over "data" (its
+    running averages are used in evaluation, where no axis is needed), and
+    the loss returns its logits as ``sr.PerRank`` for the metrics.
+    """
+    import nnx_cnn_digits as example
+
+    import skipreduce_jax.nnx as srnnx
+
+    model = example.CNN(config, axis_name="data", rngs=nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(model, optax.adamw(config.lr), wrt=nnx.Param)
+    state = nnx.state((model, optimizer))
+    nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+
+    def loss_fn(model, x, y):
+        loss, logits = example.loss_fn(model, x, y)
+        return loss, sr.PerRank(logits)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, metrics, x, y):
+        grad_fn = srnnx.value_and_grad(loss_fn, mesh, "data", step=optimizer.step[...],
+                                       has_aux=True, skip_ratio=config.skip_ratio,
+                                       min_size=0, selective=example.UNSKIPPED)
+        (loss, logits), grads = grad_fn(model, x, y)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss, logits=logits.value, labels=y)
+        return loss
+
+    return model, optimizer, train_step
+
+
+def _digits_run(setup, config, mesh, steps=3):
+    import nnx_cnn_digits as example
+
+    data = example.make_data(False, mesh.size, 0)
+    with jax.set_mesh(mesh):
+        model, optimizer, step = setup(mesh, config)
+        metrics = example.make_metrics()
+        losses = []
+        for rows in example.batch_indices(data, steps, config.batch_per_rank, 0):
+            x, y = jax.device_put((data.x_train[rows], data.y_train[rows]),
+                                  NamedSharding(mesh, P("data")))
+            losses.append(float(step(model, optimizer, metrics, x, y)))
+        test = example.evaluate(model, data.x_test, data.y_test)
+    return model, losses, {k: float(v) for k, v in metrics.compute().items()}, test
+
+
+@pytest.fixture
+def nnx_example(monkeypatch):
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    return pytest.importorskip("nnx_cnn_digits")
+
+
+def test_nnx_example_step_with_one_line_changed(nnx_example):
+    mesh = jax.make_mesh((8,), ("data",))
+    config = nnx_example.Config(width=4, batch_per_rank=4, dropout=0.0, skip_ratio=0.0)
+    model, losses, metrics, test = _digits_run(_digits_jit_setup, config, mesh)
+    ref_model, ref_losses, ref_metrics, ref_test = _digits_run(
+        nnx_example.plain_setup, config, mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for kind in (nnx.Param, nnx.BatchStat):
+        for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, kind)),
+                        jax.tree_util.tree_leaves(nnx.state(ref_model, kind)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert metrics == pytest.approx(ref_metrics, rel=1e-5)  # every rank's logits
+    assert test == pytest.approx(ref_test, rel=1e-4)
+    # Random SkipReduce with dropout: replicas stay bit-identical.
+    config = nnx_example.Config(width=4, batch_per_rank=2)
+    model, losses, _, _ = _digits_run(_digits_jit_setup, config, mesh)
+    sr.assert_replicated(nnx.state(model), mesh)
+    assert np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("argnums", [0, (0,), (0, 2)])
+def test_argnums_as_jax_value_and_grad(argnums):
+    mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)
+
+    def loss(w, x, b):
+        return jnp.mean((w * x + b) ** 2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda w, x, b: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0, argnums=argnums,
+            batch_argnums=1)(w, x, b))(1.0, x, 0.5)
+    ref = jax.value_and_grad(loss, argnums=argnums)(1.0, x, 0.5)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(TypeError, match="positionally"):
+        sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0)(1.0, x, b=0.5)
+
+
+def test_train_state_and_multisteps_stay_as_written():
+    """A flax TrainState with optax.MultiSteps and a metric read from its
+    state: only the gradient line changes, and k = 0 is the plain step."""
+    from flax.training import train_state
+
+    mesh, _, params, batch = _layout("4x2-explicit")
+    batch = tuple(jax.device_put(b, NamedSharding(mesh, P("replica"))) for b in batch)
+
+    def loss_fn(p, b):
+        return _loss(p, b)[0]
+
+    def run(gradients):
+        @jax.jit
+        def step(state, batch):
+            grad_fn = gradients(state)
+            loss, grads = grad_fn(state.params, batch)
+            state = state.apply_gradients(grads=grads)
+            return state, loss, state.opt_state.gradient_step
+
+        tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+        with jax.set_mesh(mesh):
+            state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+            out = []
+            for _ in range(4):
+                state, loss, gradient_step = step(state, batch)
+                out.append((float(loss), int(gradient_step)))
+        return state, out
+
+    plain = run(lambda state: jax.value_and_grad(_loss_on_auto(loss_fn)))
+    adopted = run(lambda state: sr.value_and_grad(loss_fn, mesh, "replica", step=state.step,
+                                                  num_skip=0, min_size=0))
+    assert [g for _, g in adopted[1]] == [g for _, g in plain[1]] == [0, 1, 1, 2]
+    np.testing.assert_allclose([v for v, _ in adopted[1]], [v for v, _ in plain[1]],
+                               rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(adopted[0].params),
+                    jax.tree_util.tree_leaves(plain[0].params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def _loss_on_auto(fun):
+    """``fun`` with the mesh's axes Auto (a matmul over a sharded contraction
+    needs an out_sharding under Explicit ones)."""
+    def loss(p, b):
+        return jax.sharding.auto_axes(fun, out_sharding=P())(p, b)
+    return loss
