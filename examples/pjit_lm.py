@@ -196,7 +196,12 @@ class LM(nn.Module):
                          embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))
         pos = self.param("pos_embed", nn.with_logical_partitioning(init, ("length", "embed")),
                          (self.max_len, self.d_model))
-        x = embed(tokens) + pos[:tokens.shape[1]]
+        # A one-hot product, not embed(tokens)'s gather: with the table over
+        # "fsdp" and the batch over every axis, the gather's gradient makes
+        # GSPMD rematerialise the activations in full.
+        table = embed.embedding
+        x = jax.nn.one_hot(tokens, VOCAB_SIZE, dtype=table.dtype) @ table
+        x = x + pos[:tokens.shape[1]]
         for i in range(self.num_layers):
             x = Block(self.num_heads, name=f"block_{i}")(x)
         return embed.attend(_layer_norm("ln_final")(x))
