@@ -126,6 +126,15 @@ def test_the_skipreduce_step_differs_in_at_most_five_lines():
     assert "hsdp" not in "\n".join(plain + adopted)
 
 
+def test_readme_shows_the_diff_as_it_is():
+    plain, adopted = _body(pjit_lm.plain_step), _body(pjit_lm.skipreduce_step)
+    diff = [line for line in difflib.unified_diff(plain, adopted, lineterm="", n=1)
+            if not line.startswith(("---", "+++", "@@"))]
+    block = "```diff\n" + "\n".join(diff) + "\n```"
+    assert block in (ROOT / "README.md").read_text(), (
+        "README.md's diff of examples/pjit_lm.py is out of date; it should read:\n" + block)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mesh", "tp"], "--mesh: choose from hsdp,dp"),
     (["--d-model", "33", "--heads", "3"], "must be a multiple of --heads 3 and of the fsdp"),
