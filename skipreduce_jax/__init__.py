@@ -30,9 +30,6 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
-from skipreduce_jax._monitor import MonitorState as MonitorState
-from skipreduce_jax._monitor import NonIIDWarning as NonIIDWarning
-from skipreduce_jax._monitor import rank_deviation as rank_deviation
 from skipreduce_jax._norms import BatchNormWarning as BatchNormWarning
 from skipreduce_jax._parallel import PerRank as PerRank
 from skipreduce_jax._parallel import data_parallel as data_parallel

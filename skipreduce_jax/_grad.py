@@ -49,8 +49,6 @@ _SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_na
 # cannot carry, and what to do instead.
 _STATEFUL = {
     "error_feedback": "error_feedback=True keeps a residual per rank",
-    "control_variate": "control_variate keeps a deviation per rank",
-    "monitor": "monitor=True keeps a running estimate",
     "params_sharded": "params_sharded=True takes params sharded over the data "
                       "axis (FSDP), whose blocks the step must gather",
     "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",
@@ -161,9 +159,8 @@ def value_and_grad(
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
     derives it from its step count, and warm-up is decided from ``step``;
     so the same step numbers drop the same contributions. Options that carry
-    state from step to step (``error_feedback``, ``control_variate``,
-    ``monitor``) are refused: use ``skip_reduce`` in the optimizer chain for
-    those.
+    state from step to step (``error_feedback``) are refused: use
+    ``skip_reduce`` in the optimizer chain for those.
 
     Args:
       fun: the loss, as for ``jax.value_and_grad``, written for the global

@@ -37,7 +37,6 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._guards import callback_error, host_checks_traced
-from skipreduce_jax._monitor import ratios, warn_if_non_iid
 from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._step_context import step_body
 from skipreduce_jax._vma import varying_axes
@@ -321,10 +320,6 @@ def _default_describe(path: Any) -> str:
     return f"the output at {jax.tree_util.keystr(path) or 'the root'}"
 
 
-# Every this many calls a step checks the last state's rank-deviation monitor.
-_MONITOR_EVERY = 50
-
-
 class DataParallelStep:
     """The callable :func:`data_parallel` returns.
 
@@ -349,13 +344,11 @@ class DataParallelStep:
         self._describe = describe
         self._jitted = jax.jit(self._traced, static_argnums=static_argnums,
                                donate_argnums=donate_argnums)
-        self._calls, self._warned, self._pending = 0, False, []
         self._waits = False  # traced with a host check: wait for each call
 
     def __call__(self, *args, **kwargs):
         self._no_kwargs(kwargs)
         self._check_live(args)
-        self._watch(args)
         args = self._place(args)
         with _mesh_context(self._mesh):
             return self._run(args)
@@ -407,23 +400,6 @@ class DataParallelStep:
                 f"{self._api}: argument {i} at "
                 f"{jax.tree_util.keystr(path) or 'the root'} (shape {leaf.shape}) "
                 f"is a deleted array: {why}. {use}, or, to keep the inputs, {keep}.")
-
-    def _watch(self, args: tuple) -> None:
-        """Warns once if the state's rank-deviation monitor is high.
-
-        Every ``_MONITOR_EVERY`` calls it copies the monitors' ratios of the
-        state passed in, and reads them (warning if high) at the first call
-        after they are computed: the loop never waits for them.
-        """
-        self._calls += 1
-        if self._warned:
-            return
-        if self._pending and all(r.is_ready() for r in self._pending):
-            self._warned = warn_if_non_iid(self._pending, api=self._api)
-            self._pending = []
-        elif not self._pending and self._calls % _MONITOR_EVERY == 0:
-            # Copied now: the state itself is donated to this call.
-            self._pending = [jnp.copy(r) for r in ratios(args)]
 
     def lower(self, *args, **kwargs):
         """Places ``args`` and lowers the step (``jax.jit(...).lower``)."""

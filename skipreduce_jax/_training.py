@@ -326,7 +326,7 @@ def check_settings_agree(opt_state: Any, mesh: jax.sharding.Mesh) -> None:
         if not bool(settings_ok):
             raise ValueError(
                 "skip_reduce settings (num_skip/skip_ratio, randomize, "
-                "normalize, min_size, warmup_steps, error_feedback, ...) differ "
+                "balanced, min_size, warmup_steps, error_feedback, ...) differ "
                 "between devices or processes. Every process must build the "
                 "optimizer with the same arguments.")
         if not bool(key_ok):
