@@ -222,7 +222,7 @@ def value_and_grad(
     step = _check_step(step)
     _check_options(skip_options)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
-                     **{"monitor": False, **skip_options})
+                     **skip_options)
     params_at = positions(argnums, "argnums", api=_API)
     given_batch = (None if batch_argnums is None
                    else positions(batch_argnums, "batch_argnums", api=_API))
