@@ -109,6 +109,7 @@ class _Config:
     verify_sync: bool
     check_finite: bool
     params_sharded: bool
+    comm_dtype: Any = None
 
     def fingerprint(self) -> int:
         """A checksum of the settings that every rank must share."""
@@ -118,6 +119,10 @@ class _Config:
         if not fields["balanced"]:  # so states saved before it existed match
             fields.pop("balanced")
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
+        if fields["comm_dtype"] is None:  # so states saved before it existed match
+            fields.pop("comm_dtype")
+        else:
+            fields["comm_dtype"] = str(fields["comm_dtype"])
         return zlib.crc32(repr(sorted(fields.items())).encode())
 
     @property
@@ -170,6 +175,7 @@ def skip_reduce(
     check_finite: bool = False,
     verify_sync: bool = False,
     params_sharded: bool = False,
+    comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
@@ -294,6 +300,13 @@ def skip_reduce(
         a sharded param is the 1/(N L) block of ``P((axis_name,
         inner_axis))``: reduce-scattered in full over the inner axis, then
         skipped over ``axis_name``.
+      comm_dtype: e.g. ``jnp.bfloat16``: what the skipped ring sends over
+        ``axis_name`` for float32 gradients (half the bytes). Each hop
+        receives it, adds in ``accumulate_dtype`` (float32 when None) and
+        rounds once to send; the result returns in the gradients' dtype (see
+        ``skip_psum``). Leaves that take the full all-reduce (``min_size``,
+        ``selective``, warm-up, ``num_skip=0``) are averaged by ``lax.pmean``
+        as without it. It may not be wider than any skipped gradient.
 
     BatchNorm: with batch statistics averaged over the data axis, a skipped
     leaf that feeds a BatchNorm (the conv or dense layer before it)
@@ -372,7 +385,7 @@ def _make_config(
     min_size, warmup_steps, error_feedback, control_variate, monitor,
     exact_radial, inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
-    params_sharded,
+    params_sharded, comm_dtype=None,
 ) -> _Config:
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
@@ -428,6 +441,7 @@ def _make_config(
     chunks_per_rank, bucket_bytes = coll.check_sizes(
         chunks_per_rank, bucket_bytes, api=_API)
     accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
+    comm_dtype = checks.check_comm_dtype(comm_dtype, api=_API)
 
     # Plain Python values, so that equal settings have equal fingerprints.
     return _Config(
@@ -437,7 +451,7 @@ def _make_config(
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
         exact_radial=exact_radial, control_variate=control_variate,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
-        accumulate_dtype=accumulate_dtype, **flags)
+        accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype, **flags)
 
 
 def _check_control_variate(rate: Any, normalize: str, flags: dict[str, bool]
@@ -565,13 +579,14 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
                      chunks_per_rank=config.chunks_per_rank,
                      normalize=config.normalize,
-                     accumulate_dtype=config.accumulate_dtype)
+                     accumulate_dtype=config.accumulate_dtype,
+                     comm_dtype=config.comm_dtype)
         if residuals is None:
             ar_out, ar_left = coll.skip_pmean(ar, config.axis_name, **ar_kw), None
             if deviations is not None:  # never sharded: ar is all of picked
                 mask = coll.contribution_mask(ar, config.axis_name, **{
                     k: v for k, v in ar_kw.items()
-                    if k not in ("normalize", "accumulate_dtype")})
+                    if k not in ("normalize", "accumulate_dtype", "comm_dtype")})
                 ar_left = _follow(ar, ar_out, mask, picked_devs,
                                   config.control_variate)
             if watch:
@@ -592,6 +607,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         own, divisor = _owner_weight(n, num_skip, config)
         rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (divisor * inner),
                                accumulate_dtype=config.accumulate_dtype,
+                               comm_dtype=config.comm_dtype,
                                api=_API, own_weight=own, **rs_kw)
         rs_left = []  # control variates: no sharded params, nothing scattered
         if residuals is not None:
