@@ -4,8 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-sharded demo-multihost \
-        bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods docs clean
+.PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
+        demo-multihost bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
+        docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +43,12 @@ demo-nnx: $(STAMP)
 
 demo-linen: $(STAMP)
 	$(PY) examples/linen_lm.py
+
+# A production-style pjit loop (partitioned linen LM, TrainState, MultiSteps)
+# on a (replica=4, fsdp=2) mesh, then on one replica axis.
+demo-pjit: $(STAMP)
+	$(PY) examples/pjit_lm.py --mesh hsdp
+	$(PY) examples/pjit_lm.py --mesh dp
 
 # NNX model sharded over (fsdp, tensor), SkipReduce over replica (about 2 minutes).
 demo-sharded: $(STAMP)

@@ -28,8 +28,7 @@ exactly ``lax.pmean``), ``bound`` (the information bound above),
 of about 256 elements), ``random-iid`` (``balanced=False``: the paper's
 schedule, drawn afresh every step), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
-``random+ef`` (error feedback), ``random+cvR`` (``control_variate=R``,
-e.g. ``random+cv0.1``), ``random-sel`` (Random with the
+``random+ef`` (error feedback), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
 a full all-reduce), ``random-radial`` (``exact_radial=True``: each output
 channel's update along its weights exact, vectors fully reduced; the default
@@ -124,8 +123,6 @@ LABELS = {
     "psum-bf16": "lax.pmean of bfloat16 gradients",
 }
 _CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
-# random+cvR: control variates at rate R (e.g. random+cv0.5).
-_CONTROL = re.compile(r"random\+cv((?:0?\.[0-9]+)|1(?:\.0*)?)$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
 # frozen (1-bit Adam's recipe, without its compression).
 _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
@@ -141,9 +138,6 @@ def label(variant: str) -> str:
     match = _CHUNKS.match(variant)
     if match:
         return f"Random, chunks_per_rank={match.group(1)}"
-    match = _CONTROL.match(variant)
-    if match:
-        return f"Random + control variates, rate {match.group(1)}"
     match = _FROZEN.match(variant)
     if match:
         return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
@@ -157,10 +151,10 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN, _CONTROL)):
+            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
-                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv], "
-                         "random+cvR or all-reduce-fvW (K, W >= 1; R in (0, 1]).")
+                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv] or "
+                         "all-reduce-fvW (K, W >= 1).")
     return variant
 
 
@@ -441,11 +435,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
     match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
-    control = _CONTROL.match(variant)
     if match:
         kwargs["chunks_per_rank"] = int(match.group(1))
-    elif control:
-        kwargs["control_variate"] = float(control.group(1))
     elif warmup:
         kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
@@ -656,9 +647,6 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
         for name, value in (work.diagnostics(params, state, mesh)
                             if work.diagnostics else {}).items():
             history.setdefault(name, []).append(float(value))
-        deviation = sr.rank_deviation(opt_state)  # skip_reduce's monitor
-        if deviation is not None:
-            history.setdefault("rank_deviation", []).append(deviation)
 
     record(0, math.nan)
     for lo in range(0, steps, eval_every):
@@ -941,7 +929,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=300, help="training steps per run")
     add("--eval-every", type=int, default=10, help="steps between evaluations")
     add("--variants", type=_csv(_variant), default=list(DEFAULT_VARIANTS),
-        help=f"comma-separated, of {','.join(VARIANTS)}, random-cK or random+cvR")
+        help=f"comma-separated, of {','.join(VARIANTS)}, random-cK, random-wW[-fv] or "
+             "all-reduce-fvW")
     add("--lr", type=float, default=None,
         help="learning rate for every run (default: per workload and optimizer)")
     add("--target-fraction", type=float, default=2 / 3,

@@ -112,6 +112,6 @@ def parse_config(default: Any, argv: Sequence[str] | None, description: str, *,
     if not chosen or set(chosen) - set(variants):
         parser.error(f"--variants: choose from {','.join(variants)}")
     for name, value in values.items():
-        if name != "variants" and value < 0:
+        if name != "variants" and not isinstance(value, str) and value < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
     return dataclasses.replace(default, **{**values, "variants": chosen}), parser

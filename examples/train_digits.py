@@ -1,6 +1,6 @@
 """Data-parallel training on scikit-learn's digits with SkipReduce.
 
-Trains one small MLP (same initialisation, same data order) with six ways of
+Trains one small MLP (same initialisation, same data order) with five ways of
 averaging the gradients over the data-parallel ranks, at a 50% skip ratio by
 default (k = 4 of the N - 1 = 7 reduce-scatter steps skipped on 8 ranks):
 
@@ -13,9 +13,7 @@ default (k = 4 of the N - 1 = 7 reduce-scatter steps skipped on 8 ranks):
 * ``selective``: Random SkipReduce with the first layer and the biases fully
   reduced;
 * ``random+ef``: Random SkipReduce with error feedback (what a rank's gradient
-  lost to skipping is added to its next gradient);
-* ``random+cv``: Random SkipReduce with control variates (each rank sends its
-  gradient less its running deviation from the mean; for non-IID ranks).
+  lost to skipping is added to its next gradient).
 
 With ``--data non-iid`` each rank sees mostly two classes (95% of its samples
 by default), as when data is sharded by source. Static skipping then always
@@ -215,8 +213,6 @@ def variants(skip_ratio: float = 0.5) -> dict[str, dict[str, Any]]:
                           selective=sr.exclude("Dense_0")),
         "random+ef": dict(skip_ratio=skip_ratio, min_size=0,
                           error_feedback=True),
-        "random+cv": dict(skip_ratio=skip_ratio, min_size=0,
-                          control_variate=0.1),
     }
 
 

@@ -30,9 +30,6 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
-from skipreduce_jax._monitor import MonitorState as MonitorState
-from skipreduce_jax._monitor import NonIIDWarning as NonIIDWarning
-from skipreduce_jax._monitor import rank_deviation as rank_deviation
 from skipreduce_jax._norms import BatchNormWarning as BatchNormWarning
 from skipreduce_jax._parallel import PerRank as PerRank
 from skipreduce_jax._parallel import data_parallel as data_parallel
@@ -44,6 +41,7 @@ from skipreduce_jax._schedule import make_scatter_schedule as make_scatter_sched
 from skipreduce_jax._schedule import make_schedule as make_schedule
 from skipreduce_jax._schedule import ring_period as ring_period
 from skipreduce_jax._schedule import scatter_period as scatter_period
+from skipreduce_jax._selection import UnmatchedPatternWarning as UnmatchedPatternWarning
 from skipreduce_jax._selection import by_path as by_path
 from skipreduce_jax._selection import exclude as exclude
 from skipreduce_jax._stats import CommStats as CommStats

@@ -765,29 +765,6 @@ def contribution_mask(
     return plan.unpack(masks, fill=lambda i: jnp.ones(plan.shapes[i], jnp.bool_))
 
 
-def bucket_layout(x: Any, axis_name: str, *, key: Any, num_skip: int,
-                  randomize: bool = True, phase: Any = 0, inner_axis: str | None = None,
-                  chunks_per_rank: int | None = None,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                  ) -> list[tuple[list[tuple[int, int]], int, SkipSchedule]]:
-    """Where :func:`skip_psum` packs each leaf of ``x``, and who it sums.
-
-    The arguments are those of :func:`contribution_mask` (no ``specs``: the
-    leaves are whole on every device). Per bucket: ``(placed, padded_size,
-    schedule)``, ``placed`` listing ``(leaf index, start)`` in the flat
-    buffer, which holds ``inner`` copies of ``[N slots, C columns,
-    elements]`` (the ring's layout; ``C`` is the schedule's
-    ``chunks_per_rank``).
-    """
-    plan, schedules, _, _ = _plan(
-        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api="bucket_layout", phase=phase)
-    return [(list(zip(b.leaf_indices, plan.starts(b)[:-1].tolist())), b.padded_size, s)
-            for b, s in zip(plan.buckets, schedules)]
-
-
-
 # ----------------------------------------------------------------------------
 # The skipped reduce-scatter (FSDP over the data axis).
 # ----------------------------------------------------------------------------

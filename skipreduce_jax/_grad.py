@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _shards
 from skipreduce_jax._parallel import (
     AxisNames,
-    _check_batch,
+    check_batch,
     data_spec,
     mesh_axes,
     per_rank_flags,
@@ -49,8 +49,6 @@ _SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_na
 # cannot carry, and what to do instead.
 _STATEFUL = {
     "error_feedback": "error_feedback=True keeps a residual per rank",
-    "control_variate": "control_variate keeps a deviation per rank",
-    "monitor": "monitor=True keeps a running estimate",
     "params_sharded": "params_sharded=True takes params sharded over the data "
                       "axis (FSDP), whose blocks the step must gather",
     "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",
@@ -161,9 +159,8 @@ def value_and_grad(
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
     derives it from its step count, and warm-up is decided from ``step``;
     so the same step numbers drop the same contributions. Options that carry
-    state from step to step (``error_feedback``, ``control_variate``,
-    ``monitor``) are refused: use ``skip_reduce`` in the optimizer chain for
-    those.
+    state from step to step (``error_feedback``) are refused: use
+    ``skip_reduce`` in the optimizer chain for those.
 
     Args:
       fun: the loss, as for ``jax.value_and_grad``, written for the global
@@ -254,7 +251,9 @@ def value_and_grad(
                  if given_batch is None else given_batch)
         ranks = math.prod(mesh.shape[a] for a in axes)
         for i in batch:
-            _check_batch(args[i], i, ranks, axes, api=_API, traced=True)
+            check_batch(args[i], ranks, axes, api=_API, name=f"argument {i}",
+                        or_else="pass it in neither argnums nor batch_argnums "
+                                "(replicated)", traced=True)
         params = _params_of(args, params_at, single)
         specs = _param_specs(params, param_specs, mesh, axes)
 

@@ -7,11 +7,20 @@ each word and its position) and compares them across the axis with one
 is one read of the tree plus two tiny all-reduces (latency only), so
 running it every few hundred steps is cheap.
 ``assert_replicated(tree, mesh)`` wraps it for use outside ``shard_map``.
+
+An error raised in a host callback (``skip_reduce(verify_sync=True)``'s
+check) reaches the caller wrapped in JAX's ``JaxRuntimeError: INTERNAL:
+CpuCallback error ...``, when the step's results are read.
+:func:`host_check` counts the programs traced with such a check, and
+:func:`raise_in_callback` keeps the error, so that the training steps can
+wait for those programs and raise the error as it was (:func:`callback_error`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +34,56 @@ from skipreduce_jax._vma import cast_varying, vma_checked
 
 # Two seeds: two independent 32-bit checksums per leaf.
 _SEEDS = (0x2545F491, 0x9E3779B9)
+
+# Errors raised in host callbacks, until a caller unwraps them (a few at most:
+# every device raises the same one).
+_raised: list[Exception] = []
+_raised_lock = threading.Lock()
+_host_checks_traced = 0
+
+
+def host_check(check: Callable[..., None], *args: Any) -> None:
+    """``jax.debug.callback(check, *args)``, counted as a traced host check.
+
+    ``check`` raises with :func:`raise_in_callback`.
+    """
+    global _host_checks_traced
+    _host_checks_traced += 1
+    jax.debug.callback(check, *args)
+
+
+def host_checks_traced() -> int:
+    """How many host checks have been traced so far (in any program)."""
+    return _host_checks_traced
+
+
+def raise_in_callback(error: Exception) -> NoReturn:
+    """Raises ``error`` in a host callback, kept for :func:`callback_error`."""
+    with _raised_lock:
+        if all(str(e) != str(error) for e in _raised):
+            _raised.append(error)
+            del _raised[:-8]
+    raise error
+
+
+def callback_error(wrapped: Exception) -> Exception | None:
+    """The error a host callback raised whose message ``wrapped`` carries.
+
+    Args:
+      wrapped: an error from running a compiled program (a
+        ``JaxRuntimeError``).
+
+    Returns:
+      The error :func:`raise_in_callback` raised, without its traceback
+      (forgotten from then on), or None if ``wrapped`` carries none.
+    """
+    text = str(wrapped)
+    with _raised_lock:
+        for error in _raised:
+            if str(error) in text:
+                _raised.remove(error)
+                return error.with_traceback(None)
+    return None
 
 
 def mix32(h: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
-from skipreduce_jax._monitor import ratios, warn_if_non_iid
+from skipreduce_jax._guards import callback_error, host_checks_traced
 from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._step_context import step_body
 from skipreduce_jax._vma import varying_axes
@@ -233,6 +233,12 @@ def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
             "only, or replicate them over the data axes.")
 
 
+def _deleted(x: Any) -> bool:
+    """Whether ``x`` is a concrete array whose buffers are gone (donated)."""
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            and x.is_deleted())
+
+
 def _is_global(x: Any) -> bool:
     """Whether ``x`` is an array spanning other processes' devices too."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
@@ -251,23 +257,29 @@ def _check_rows(path: Any, leaf: Any, ranks: int, axes: tuple[str, ...], *,
         "tx, mesh)): tx.init alone makes a single row.")
 
 
-def _check_batch(tree: Any, argnum: int, ranks: int, axes: tuple[str, ...],
-                 *, api: str, traced: bool = False) -> None:
-    # A process passes its own part of the batch; ranks split the global one
-    # (``traced``: the leaves are global arrays inside jit).
+def check_batch(tree: Any, ranks: int, axes: tuple[str, ...], *, api: str,
+                name: str, or_else: str, traced: bool = False) -> None:
+    """Refuses batch leaves whose leading dimension does not split over the ranks.
+
+    ``name`` names the argument in the message; ``or_else`` is the other fix;
+    ``traced``: the leaves are global arrays inside ``jax.jit``.
+    """
+    # A process passes its own part of the batch; ranks split the global one.
     processes = jax.process_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        rows = np.shape(leaf)[0] if np.ndim(leaf) else None
-        if rows is not None and not traced and not _is_global(leaf):
-            rows *= processes
-        if rows is None or rows % ranks:
+        where = (f"{api}: {name} has a leaf at "
+                 f"{jax.tree_util.keystr(path) or 'the root'} of shape {np.shape(leaf)}")
+        if not np.ndim(leaf):
             raise ValueError(
-                f"{api}: argument {argnum} (in batch_argnums) has a leaf at "
-                f"{jax.tree_util.keystr(path) or 'the root'} of shape "
-                f"{np.shape(leaf)}: its leading dimension must split evenly "
-                f"over the {ranks} ranks of {list(axes)}. Pass a global batch "
-                f"whose size is a multiple of {ranks} (drop or pad the last "
-                "one), or move the argument out of batch_argnums.")
+                f"{where}, a scalar: it has no leading dimension to split over "
+                f"the {ranks} ranks of {list(axes)}. Give each batch leaf a "
+                f"leading batch dimension, or {or_else}.")
+        rows = np.shape(leaf)[0] * (1 if traced or _is_global(leaf) else processes)
+        if rows % ranks:
+            raise ValueError(
+                f"{where}: its leading dimension must split evenly over the "
+                f"{ranks} ranks of {list(axes)}. Pass a global batch whose size "
+                f"is a multiple of {ranks} (drop or pad the last one), or {or_else}.")
 
 
 def _check_outputs(with_paths: Sequence[tuple[Any, Any]],
@@ -308,10 +320,6 @@ def _default_describe(path: Any) -> str:
     return f"the output at {jax.tree_util.keystr(path) or 'the root'}"
 
 
-# Every this many calls a step checks the last state's rank-deviation monitor.
-_MONITOR_EVERY = 50
-
-
 class DataParallelStep:
     """The callable :func:`data_parallel` returns.
 
@@ -331,39 +339,72 @@ class DataParallelStep:
         self._axes = axes
         self._batch = batch_argnums
         self._static = static_argnums
+        self._donate = donate_argnums
         self._api = api
         self._describe = describe
         self._jitted = jax.jit(self._traced, static_argnums=static_argnums,
                                donate_argnums=donate_argnums)
-        self._calls, self._warned, self._pending = 0, False, []
+        self._waits = False  # traced with a host check: wait for each call
 
     def __call__(self, *args, **kwargs):
         self._no_kwargs(kwargs)
-        self._watch(args)
+        self._check_live(args)
         args = self._place(args)
         with _mesh_context(self._mesh):
-            return self._jitted(*args)
+            return self._run(args)
 
-    def _watch(self, args: tuple) -> None:
-        """Warns once if the state's rank-deviation monitor is high.
+    def _run(self, args: tuple) -> Any:
+        """Runs the jitted step, raising a host check's error as it was.
 
-        Every ``_MONITOR_EVERY`` calls it copies the monitors' ratios of the
-        state passed in, and reads them (warning if high) at the first call
-        after they are computed: the loop never waits for them.
+        A step traced with a host check (``verify_sync``) is waited for, so
+        that its error is raised here rather than, wrapped in JAX's
+        ``CpuCallback error``, wherever the results are read.
         """
-        self._calls += 1
-        if self._warned:
-            return
-        if self._pending and all(r.is_ready() for r in self._pending):
-            self._warned = warn_if_non_iid(self._pending, api=self._api)
-            self._pending = []
-        elif not self._pending and self._calls % _MONITOR_EVERY == 0:
-            # Copied now: the state itself is donated to this call.
-            self._pending = [jnp.copy(r) for r in ratios(args)]
+        traced = host_checks_traced()
+        try:
+            out = self._jitted(*args)
+            self._waits = self._waits or host_checks_traced() != traced
+            return jax.block_until_ready(out) if self._waits else out
+        except jax.errors.JaxRuntimeError as wrapped:
+            error = callback_error(wrapped)
+            if error is None:
+                raise
+            raise error from None
+
+    def _check_live(self, args: tuple) -> None:
+        """Refuses deleted arrays (donated to an earlier call) before use.
+
+        JAX itself fails with INVALID_ARGUMENT, and may then crash.
+        """
+        for i, arg in enumerate(args):
+            if i in self._static or not any(
+                    map(_deleted, jax.tree_util.tree_leaves(arg))):
+                continue
+            path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(arg)
+                              if _deleted(x))
+            why = (f"this step donates argument {i} (donate_argnums="
+                   f"{self._donate}), so the previous call consumed it"
+                   if i in self._donate else
+                   "it was donated to an earlier call (of another step or jitted "
+                   "function) or deleted")
+            use = ("Pass the objects as the previous call left them (it updates "
+                   "them in place; keep a snapshot as jax.tree.map(jnp.copy, "
+                   "nnx.state(model)))" if self._api.endswith("nnx.data_parallel") else
+                   "Pass the arrays the previous call returned (e.g. params, "
+                   "opt_state, loss = step(params, opt_state, batch))")
+            keep = ("build the step with make_train_step(..., donate=False)"
+                    if self._api == "make_train_step" else
+                    f"leave {i} out of donate_argnums" if i in self._donate else
+                    "pass a copy to the call that donates it")
+            raise ValueError(
+                f"{self._api}: argument {i} at "
+                f"{jax.tree_util.keystr(path) or 'the root'} (shape {leaf.shape}) "
+                f"is a deleted array: {why}. {use}, or, to keep the inputs, {keep}.")
 
     def lower(self, *args, **kwargs):
         """Places ``args`` and lowers the step (``jax.jit(...).lower``)."""
         self._no_kwargs(kwargs)
+        self._check_live(args)
         args = self._place(args)
         with _mesh_context(self._mesh):
             return self._jitted.lower(*args)
@@ -392,7 +433,9 @@ class DataParallelStep:
                 continue
             with_paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
             if i in self._batch:
-                _check_batch(arg, i, ranks, axes, api=api)
+                check_batch(arg, ranks, axes, api=api,
+                            name=f"argument {i} (in batch_argnums)",
+                            or_else="move the argument out of batch_argnums")
                 new = [x if isinstance(x, jax.ShapeDtypeStruct) else
                        place_batch(x, mesh, axes) for _, x in with_paths]
             else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,10 @@ import jax
 import numpy as np
 
 _API = "skip_reduce"
+
+
+class UnmatchedPatternWarning(UserWarning):
+    """An :func:`exclude` pattern matches no leaf path, so it excludes nothing."""
 
 
 class PathSelector:
@@ -63,6 +68,9 @@ def by_path(predicate: Callable[[str, Any], bool]) -> PathSelector:
 def exclude(*patterns: str) -> PathSelector:
     """Full all-reduce for leaves whose path matches any regex in ``patterns``.
 
+    A pattern that matches no path of the tree it is applied to warns
+    (:class:`UnmatchedPatternWarning`), listing a few of the paths.
+
     Args:
       *patterns: regular expressions searched in the path string, e.g.
         ``"Embed"``, ``"Conv_0"``.
@@ -70,13 +78,50 @@ def exclude(*patterns: str) -> PathSelector:
     Returns:
       A ``selective`` argument for ``skip_reduce``.
 
+    Raises:
+      ValueError: if a pattern is not a valid regular expression.
+
     Example:
       >>> exclude("Embed")({"Embed_0": 1.0, "Dense_0": 2.0})
       {'Dense_0': True, 'Embed_0': False}
     """
-    compiled = [re.compile(p) for p in patterns]
-    return PathSelector(
-        lambda path, leaf: not any(c.search(path) for c in compiled))
+    return _Excluded([_compile(p) for p in patterns])
+
+
+def _compile(pattern: Any) -> re.Pattern:
+    if not isinstance(pattern, (str, re.Pattern)):
+        raise TypeError(f"exclude: pattern {pattern!r} must be a str (a regular "
+                        "expression searched in each leaf's path).")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(
+            f"exclude: pattern {pattern!r} is not a valid regular expression "
+            f"({e}). Fix the regex, or pass re.escape(text) to match text "
+            "literally.") from None
+
+
+class _Excluded(PathSelector):
+    """:func:`exclude`'s selector: warns about patterns that match no path."""
+
+    def __init__(self, compiled: list[re.Pattern]):
+        self.compiled = compiled
+        super().__init__(lambda path, leaf: not any(c.search(path) for c in compiled))
+
+    def __call__(self, tree: Any) -> Any:
+        paths = [jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+        unmatched = [c.pattern for c in self.compiled
+                     if not any(c.search(p) for p in paths)]
+        if paths and unmatched:
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} leaves)"
+                                            if len(paths) > 4 else "")
+            warnings.warn(
+                f"exclude: no leaf path matches {', '.join(map(repr, unmatched))}, "
+                f"which excludes nothing; the paths are {shown}. Fix the pattern "
+                "(a regex searched in each path) or drop it.",
+                UnmatchedPatternWarning, stacklevel=2)
+        return super().__call__(tree)
 
 
 def check_selective(selective: Any, *, api: str = _API) -> Any:

@@ -119,8 +119,7 @@ def comm_stats(
                      for s, x in zip(sizes, leaves)) / inner
     picked = [x for x, s in zip(leaves, skippable) if s]
     plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
-                        bucket_bytes=config.bucket_bytes,
-                        chunks_per_rank=config.chunks_per_rank)
+                        bucket_bytes=config.bucket_bytes)
 
     def summed(dtype):
         return summed_dtype(dtype, config.accumulate_dtype).itemsize

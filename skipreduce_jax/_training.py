@@ -45,6 +45,7 @@ from skipreduce_jax._multisteps import place_accumulators, reduce_once
 from skipreduce_jax._parallel import (
     as_tuple,
     build_step,
+    check_batch,
     copy_to,
     data_spec,
     mesh_axes,
@@ -233,6 +234,8 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
     whole batch.
     """
     axes = mesh_axes(mesh, axis_name, api="shard_batch")
+    check_batch(batch, math.prod(mesh.shape[a] for a in axes), axes, api="shard_batch",
+                name="batch", or_else="place that leaf with skipreduce_jax.replicate instead")
     return jax.tree_util.tree_map(lambda x: place_batch(x, mesh, axes), batch)
 
 
@@ -323,7 +326,7 @@ def check_settings_agree(opt_state: Any, mesh: jax.sharding.Mesh) -> None:
         if not bool(settings_ok):
             raise ValueError(
                 "skip_reduce settings (num_skip/skip_ratio, randomize, "
-                "normalize, min_size, warmup_steps, error_feedback, ...) differ "
+                "balanced, min_size, warmup_steps, error_feedback, ...) differ "
                 "between devices or processes. Every process must build the "
                 "optimizer with the same arguments.")
         if not bool(key_ok):

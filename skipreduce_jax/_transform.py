@@ -31,9 +31,9 @@ from jax import lax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
-from skipreduce_jax import _monitor, _shards
+from skipreduce_jax import _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
-from skipreduce_jax._guards import leaf_agreement
+from skipreduce_jax._guards import host_check, leaf_agreement, raise_in_callback
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
 from skipreduce_jax._radial import exact_radial, radial_ok
@@ -66,24 +66,15 @@ class SkipReduceState(NamedTuple):
         stacked along the data axis outside; see :func:`state_specs`); a
         leaf that is never skipped (``selective``, ``min_size``) keeps an
         empty row, ``[1, 0]``.
-      deviation: ``control_variate`` only (else ``optax.EmptyState()``): this
-        rank's running deviation from the mean, subtracted before the ring.
-        The deviations sum to zero over the ranks. Shaped and placed as
-        ``residual``.
-      monitor: ``monitor`` only (else ``optax.EmptyState()``): a
-        :class:`MonitorState`, replicated; its ``ratio`` says how much the
-        ranks' gradients differ steadily (see :func:`rank_deviation`).
     """
 
     count: jax.Array
     key: jax.Array
     fingerprint: jax.Array
     residual: Any
-    deviation: Any = optax.EmptyState()
-    monitor: Any = optax.EmptyState()
 
     # Placed per rank by skipreduce_jax.state_specs.
-    per_rank_fields = ("residual", "deviation")
+    per_rank_fields = ("residual",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +85,10 @@ class _Config:
     seed: int
     randomize: bool
     balanced: bool
-    normalize: str
     selective: Any
     min_size: int
     warmup_steps: int
     error_feedback: bool
-    control_variate: float | None
-    monitor: bool
     exact_radial: bool | None
     inner_axis: str | None
     chunks_per_rank: int | None
@@ -116,8 +104,6 @@ class _Config:
         fields = dataclasses.asdict(self)
         for name in ("seed", "selective", "verify_sync"):
             fields.pop(name)
-        if not fields["balanced"]:  # so states saved before it existed match
-            fields.pop("balanced")
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
         if fields["comm_dtype"] is None:  # so states saved before it existed match
             fields.pop("comm_dtype")
@@ -126,10 +112,9 @@ class _Config:
         return zlib.crc32(repr(sorted(fields.items())).encode())
 
     @property
-    def monitored(self) -> bool:
-        """Whether the state keeps a rank-deviation monitor."""
-        return (self.monitor and self.randomize and not self.balanced
-                and not self.error_feedback and not self.params_sharded)
+    def normalize(self) -> str:
+        """What divides the skipped sum: N - k summed ranks, or N (error feedback)."""
+        return "world" if self.error_feedback else "contributors"
 
     def resolve_num_skip(self, n: int) -> int:
         if self.skip_ratio is not None:
@@ -160,21 +145,18 @@ def skip_reduce(
     seed: int = 0,
     randomize: bool = True,
     balanced: bool = True,
-    normalize: str | None = None,
     selective: Any = None,
     min_size: int = 100_000,
     warmup_steps: int = 0,
     error_feedback: bool = False,
-    control_variate: float | None = None,
-    monitor: bool = True,
     exact_radial: bool | None = None,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
     check_finite: bool = False,
-    verify_sync: bool = False,
     params_sharded: bool = False,
+    verify_sync: bool = False,
     comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
@@ -213,10 +195,6 @@ def skip_reduce(
         fewer steps than the information bound, where with False it never
         reached the all-reduce's loss (``benchmarks/convergence.md``). No
         bytes, memory or compute.
-      normalize: ``"contributors"`` (divide by the N - k ranks summed; the
-        default) or ``"world"`` (divide by N, as the authors' NCCL code).
-        Error feedback always uses ``"world"``: every value is delivered once,
-        now or later.
       selective: which leaves may be skipped (True) or get a full all-reduce
         (False): a pytree (or prefix) of bools, a callable ``params -> pytree
         of bools``, or :func:`by_path` / :func:`exclude`. Sensitive layers
@@ -226,39 +204,15 @@ def skip_reduce(
       warmup_steps: full all-reduce for the first steps, then skipping. Both
         paths are compiled once; ``lax.cond`` picks one per step.
       error_feedback: keep, per rank, what skipping left out of the local
-        gradient and add it to the next step's (beyond the paper). The
-        residual lives in the state and varies over ``axis_name``; place it
-        with :func:`state_specs`. A step whose update is not finite leaves
-        every residual as it was, and a NaN or Inf left out of a finite
-        update is not carried, so a non-finite value is never carried into
-        later steps (with ``check_finite`` and ``optax.apply_if_finite``
-        such a step is skipped whole).
-      control_variate: a rate in (0, 1] turns on per-rank control variates
-        (beyond the paper; None: off). Each rank keeps a running estimate of
-        how its gradient deviates from the mean and sends its gradient less
-        that deviation; the deviations sum to zero over the ranks, so the
-        mean is unchanged and unbiased, but what a skipped rank's absence
-        costs shrinks from its whole deviation to the change in it. This is
-        the remedy for non-IID ranks (each holding other classes or
-        domains). At each element where rank r is summed, its deviation
-        moves by ``rate`` times (what r sent minus the mean); 0.1 did best
-        in ``benchmarks/convergence.md``, and 1 keeps last step's noise. No extra
-        bytes; the deviations live in the state, one row per rank, placed
-        like ``error_feedback``'s residual (:func:`state_specs`). Needs
-        replicated params and ``normalize="contributors"``; not with
-        ``error_feedback``.
-      monitor: estimate, from the update and the schedule alone (no bytes),
-        how much of the update skipping loses to the ranks' steady
-        deviations (non-IID data): it reads at most 64 elements of each ring
-        piece per step and keeps 1028 numbers of replicated state. Read it
-        with :func:`rank_deviation` (from the 200th skipped step); the
-        training helpers (:func:`data_parallel`,
-        :func:`make_train_step`, ``skipreduce_jax.nnx``) warn once
-        (:class:`NonIIDWarning`) above 0.1. It measures what the paper's
-        schedule (``balanced=False``) loses; balanced schedules (the default)
-        take that error out over each period, so there it is off, as with
-        static SkipReduce, ``error_feedback`` and ``params_sharded``, and for
-        gradients the compiler shards or that vary over other manual axes.
+        gradient and add it to the next step's (beyond the paper). The mean
+        then divides by N, not by the N - k ranks summed: every value is
+        delivered once, now or later. The residual lives in the state and
+        varies over ``axis_name``; place it with :func:`state_specs`. A step
+        whose update is not finite leaves every residual as it was, and a
+        NaN or Inf left out of a finite update is not carried, so a
+        non-finite value is never carried into later steps (with
+        ``check_finite`` and ``optax.apply_if_finite`` such a step is
+        skipped whole).
       exact_radial: per index of a kernel's last axis (its output channel),
         make two components of the update exact: along that channel's
         weights, and along the uniform direction (which stands for the
@@ -271,7 +225,9 @@ def skip_reduce(
         ``error_feedback`` or ``params_sharded``.
       inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
         ``axis_name`` is skipped.
-      chunks_per_rank: sub-chunks per ring slot (see ``skip_psum``).
+      chunks_per_rank: sub-chunks per ring slot, each placed by its own
+        draw (see :func:`skip_psum`; None: about one per 256 elements, at
+        most 64). 1 moves whole slots: fewer, larger drops per element.
       bucket_bytes: byte cap of one packed gradient buffer.
       accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
         float32, in the skipped ring and in the full all-reduces alike (they
@@ -283,15 +239,12 @@ def skip_reduce(
         elements where its rank was summed, and vanishes where it was
         left out. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
         after ``skip_reduce`` (it then sees replicated values).
-      verify_sync: debug: every step, compare the step count, key and
-        settings across ranks (two all-reduces of a few words) and raise if
-        they differ.
       params_sharded: the params are sharded over ``axis_name`` (FSDP /
         ZeRO): for a param that is this rank's 1/N block along its leading
         axis (its gradient is the whole leaf), the update is this rank's
         block of the mean, from :func:`skip_psum_scatter`; other params keep
         the all-reduce. The block's owner is always summed, so with Random
-        and ``normalize="contributors"`` its value is weighed by
+        and without error feedback its value is weighed by
         ``(N - 1 - k) / (N - 1)``, the chance of each other rank: every rank
         then weighs 1 / N in expectation. Selection (``min_size``) counts
         whole leaves, and error feedback keeps what was left out of the
@@ -300,6 +253,11 @@ def skip_reduce(
         a sharded param is the 1/(N L) block of ``P((axis_name,
         inner_axis))``: reduce-scattered in full over the inner axis, then
         skipped over ``axis_name``.
+      verify_sync: for debugging; it changes no update: every step,
+        compare the step count, key and settings across ranks (two
+        all-reduces of a few words) and raise if they differ (the training
+        steps then wait for each call, to raise it there as a plain
+        ``RuntimeError``).
       comm_dtype: e.g. ``jnp.bfloat16``: what the skipped ring sends over
         ``axis_name`` for float32 gradients (half the bytes). Each hop
         receives it, adds in ``accumulate_dtype`` (float32 when None) and
@@ -347,16 +305,13 @@ def skip_reduce(
 
     def init_fn(params):
         key = jax.random.key_data(jax.random.key(config.seed))
-        rows = (_per_rank_rows(config, params)
-                if config.error_feedback or config.control_variate else None)
         if (not config.error_feedback and not warned
                 and not config.radial(params) and _warn_if_batchnorm(config, params)):
             warned.append(True)
         return SkipReduceState(
             jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
-            residual=rows if config.error_feedback else optax.EmptyState(),
-            deviation=rows if config.control_variate else optax.EmptyState(),
-            monitor=_monitor.init() if config.monitored else optax.EmptyState())
+            residual=(_residual_rows(config, params) if config.error_feedback
+                      else optax.EmptyState()))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -365,7 +320,7 @@ def skip_reduce(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _per_rank_rows(config: _Config, params: Any) -> Any:
+def _residual_rows(config: _Config, params: Any) -> Any:
     """Zeros, one row per rank, for the leaves that may be skipped.
 
     Leaves that are never skipped keep nothing: an empty row each. A param
@@ -381,9 +336,8 @@ def _per_rank_rows(config: _Config, params: Any) -> Any:
 
 
 def _make_config(
-    *, axis_name, num_skip, skip_ratio, seed, randomize, balanced, normalize, selective,
-    min_size, warmup_steps, error_feedback, control_variate, monitor,
-    exact_radial, inner_axis,
+    *, axis_name, num_skip, skip_ratio, seed, randomize, balanced, selective,
+    min_size, warmup_steps, error_feedback, exact_radial, inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
     params_sharded, comm_dtype=None,
 ) -> _Config:
@@ -402,14 +356,6 @@ def _make_config(
         except (TypeError, ValueError):
             raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number "
                              "in [0, 1].") from None
-    if normalize is None:
-        normalize = "world" if error_feedback else "contributors"
-    coll.check_normalize(normalize, api=_API)
-    if error_feedback and normalize != "world":
-        raise ValueError(
-            f"{_API}: error_feedback=True needs normalize='world' (or None): "
-            "each value is delivered exactly once over time, so the mean "
-            "divides by N.")
     # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
     # silently be the key of 5.
     seed = checks.check_int(seed, "seed", api=_API, minimum=0,
@@ -428,11 +374,9 @@ def _make_config(
         ("randomize", randomize), ("balanced", balanced),
         ("error_feedback", error_feedback),
         ("check_finite", check_finite), ("verify_sync", verify_sync),
-        ("params_sharded", params_sharded), ("monitor", monitor))}
+        ("params_sharded", params_sharded))}
     if exact_radial is not None:
         exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
-    if control_variate is not None:
-        control_variate = _check_control_variate(control_variate, normalize, flags)
     if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
         raise ValueError(
             f"{_API}: exact_radial=True works with replicated params and no "
@@ -447,27 +391,11 @@ def _make_config(
     return _Config(
         axis_name=axis_name, num_skip=num_skip,
         skip_ratio=skip_ratio,
-        seed=seed, normalize=normalize, selective=selective,
+        seed=seed, selective=selective,
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
-        exact_radial=exact_radial, control_variate=control_variate,
-        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
+        exact_radial=exact_radial, chunks_per_rank=chunks_per_rank,
+        bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype, **flags)
-
-
-def _check_control_variate(rate: Any, normalize: str, flags: dict[str, bool]
-                           ) -> float:
-    rate = checks.check_real(rate, "control_variate", api=_API, maximum=1.0,
-                             positive=True)
-    for name in ("error_feedback", "params_sharded"):
-        if flags[name]:
-            raise ValueError(
-                f"{_API}: control_variate works with replicated params and no "
-                f"error feedback; pass {name}=False or control_variate=None.")
-    if normalize != "contributors":
-        raise ValueError(
-            f"{_API}: control_variate needs normalize='contributors' (or None): "
-            "the deviations cancel only in the mean over the ranks summed.")
-    return rate
 
 
 def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
@@ -493,17 +421,39 @@ def _axes(config: _Config) -> tuple[str, ...]:
 
 
 def _check_rows(leaves: list[jax.Array], rows: list[jax.Array],
-                skippable: list[bool], what: str) -> None:
-    """Refuses per-rank rows that do not fit the leaves they belong to."""
+                skippable: list[bool]) -> None:
+    """Refuses residual rows that do not fit the leaves they belong to."""
     for g, r, s in zip(leaves, rows, skippable):
         want = (1,) + tuple(g.shape) if s else (1, 0)
         if tuple(r.shape) != want:
             raise ValueError(
-                f"{_API}: the {what} of a gradient of shape "
+                f"{_API}: the error-feedback residual of a gradient of shape "
                 f"{g.shape} has local shape {tuple(r.shape)}, not {want}: the "
                 "state was built for other selective/min_size settings or "
                 "shapes, or outside shard_map. Build it with "
                 "skipreduce_jax.init_opt_state (or tx.init inside shard_map).")
+
+
+def _check_ring_input(leaves: list[jax.Array], key: jax.Array, phase: jax.Array,
+                      axes: tuple[str, ...]) -> None:
+    """Refuses what the skipped ring cannot take (before the collectives, which name theirs)."""
+    for g in leaves:
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise TypeError(
+                f"{_API}: got a gradient of dtype {g.dtype} and shape {g.shape}; "
+                "SkipReduce averages floating-point gradients only (float32, "
+                "bfloat16, float16). Keep other leaves out of the tree tx updates "
+                "(e.g. optax.masked or optax.partition), or split a complex leaf "
+                "into its real and imaginary parts.")
+    varying = sorted((coll.varying_axes(key) | coll.varying_axes(phase)) & set(axes))
+    if varying:
+        raise ValueError(
+            f"{_API}: the step's key, drawn from the state's key and count, varies "
+            f"over {varying}: the SkipReduceState differs per rank, so ranks would "
+            "disagree on what to drop. Pass the optimizer state replicated, as "
+            "skipreduce_jax.init_opt_state builds and state_specs lays it out "
+            "(only per_rank_fields, e.g. error-feedback residuals, hold a row per "
+            "rank).")
 
 
 def _update(config: _Config, updates: Any, state: SkipReduceState,
@@ -533,21 +483,14 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     skip_step = (jnp.maximum(state.count - config.warmup_steps, 0)
                  if config.balanced else state.count)
     key, phase = balanced_draw(base, skip_step, period)
+    if num_skip > 0:
+        _check_ring_input([g for g, s in zip(leaves, skippable) if s], key, phase, axes)
     residuals = (treedef.flatten_up_to(state.residual) if config.error_feedback
                  else None)
     if residuals is not None:
-        _check_rows(leaves, residuals, skippable, "error-feedback residual")
+        _check_rows(leaves, residuals, skippable)
         leaves = [g + r[0].astype(g.dtype) if s else g
                   for g, r, s in zip(leaves, residuals, skippable)]
-    deviations = (treedef.flatten_up_to(state.deviation) if config.control_variate
-                  else None)
-    if deviations is not None:
-        # Each rank sends its gradient less its deviation; the deviations
-        # sum to zero over the ranks, so the mean is the same.
-        _check_rows(leaves, deviations, skippable, "control-variate deviation")
-        leaves = [g - c[0].astype(g.dtype) if s else g
-                  for g, c, s in zip(leaves, deviations, skippable)]
-        picked_devs = [c[0] for c, s in zip(deviations, skippable) if s]
     # Params sharded over the data axis (FSDP) get this rank's block of the
     # mean (a reduce-scatter); the others the all-reduced mean.
     scattered = _scattered(leaves, params, n * inner, config)
@@ -563,10 +506,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         out = _full_mean(picked, picked_scattered, config)
         left_out = ([jnp.zeros_like(g) for g in picked] if residuals is not None
                     else None)
-        if deviations is not None:
-            left_out = _follow(picked, out, [True] * len(picked), picked_devs,
-                               config.control_variate)
-        return out, left_out, state.monitor
+        return out, left_out
 
     def skipped(picked):
         kw = dict(key=key, phase=phase, num_skip=num_skip,
@@ -575,24 +515,13 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         ar = [g for g, c in zip(picked, picked_scattered) if not c]
         ar_specs = (None if picked_specs is None else
                     [p for p, c in zip(picked_specs, picked_scattered) if not c])
-        monitor = state.monitor
         ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
                      chunks_per_rank=config.chunks_per_rank,
                      normalize=config.normalize,
                      accumulate_dtype=config.accumulate_dtype,
                      comm_dtype=config.comm_dtype)
         if residuals is None:
-            ar_out, ar_left = coll.skip_pmean(ar, config.axis_name, **ar_kw), None
-            if deviations is not None:  # never sharded: ar is all of picked
-                mask = coll.contribution_mask(ar, config.axis_name, **{
-                    k: v for k, v in ar_kw.items()
-                    if k not in ("normalize", "accumulate_dtype", "comm_dtype")})
-                ar_left = _follow(ar, ar_out, mask, picked_devs,
-                                  config.control_variate)
-            if watch:
-                monitor = _observe(
-                    state.monitor, ar_out, config, n=n, inner=inner, key=key,
-                    phase=phase, num_skip=num_skip)
+            ar_out = coll.skip_pmean(ar, config.axis_name, **ar_kw)
             if config.radial(params):
                 ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
                                       axes)
@@ -609,26 +538,20 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                                accumulate_dtype=config.accumulate_dtype,
                                comm_dtype=config.comm_dtype,
                                api=_API, own_weight=own, **rs_kw)
-        rs_left = []  # control variates: no sharded params, nothing scattered
-        if residuals is not None:
-            mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
-            rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
+        if residuals is None:
+            return _merge(picked_scattered, rs_out, ar_out), None
+        mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
+        rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
         return (_merge(picked_scattered, rs_out, ar_out),
-                None if ar_left is None else _merge(picked_scattered, rs_left, ar_left),
-                monitor)
+                _merge(picked_scattered, rs_left, ar_left))
 
-    # The monitor reads the skipped mean of whole leaves: not of leaves the
-    # compiler shards (their pieces are not the ring's), nor of leaves that
-    # differ over other manual axes (its replicated state could not hold it).
-    watch = (config.monitored and picked_specs is None
-             and not _varies_beyond(picked, axes, config.axis_name))
     if not picked or num_skip == 0:
-        reduced, left_out, monitor = full(picked)
+        reduced, left_out = full(picked)
     elif config.warmup_steps > 0:
-        reduced, left_out, monitor = lax.cond(
+        reduced, left_out = lax.cond(
             state.count < config.warmup_steps, full, skipped, picked)
     else:
-        reduced, left_out, monitor = skipped(picked)
+        reduced, left_out = skipped(picked)
 
     rest = _full_mean([g for g, s in zip(leaves, skippable) if not s],
                       [c for c, s in zip(scattered, skippable) if not s], config)
@@ -638,31 +561,23 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # One flag for all ranks: True when every rank's gradient is finite.
         finite = lax.pmin(_all_finite(leaves).astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
-    rows = residuals if residuals is not None else deviations
-    if rows is not None:
+    new_state = state._replace(count=state.count + 1)
+    if residuals is not None:
         # The update is identical on every rank, so every rank takes the same
         # branch: a non-finite update (to be skipped, e.g. by apply_if_finite)
-        # leaves the rows as they were; after a finite one, what was left out
-        # becomes the residual, except non-finite values, which would come
+        # leaves the residuals as they were; after a finite one, what was left
+        # out becomes the residual, except non-finite values, which would come
         # back piece by piece in the steps after.
         applied = _all_finite(out)
         if any(scattered):  # each rank holds other blocks: decide together
             applied = lax.pmin(applied.astype(jnp.int32), axes) > 0
-        kept = [r for r, s in zip(rows, skippable) if not s]
+        kept = [r for r, s in zip(residuals, skippable) if not s]
         new = _merge(skippable, [x[None] for x in left_out], kept)
-        if residuals is not None:
-            new = [jnp.where(jnp.isfinite(x), x, 0) for x in new]
-        new = [jnp.where(applied, x, r).astype(r.dtype) for x, r in zip(new, rows)]
-        rows = jax.tree_util.tree_unflatten(treedef, new)
+        new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r).astype(r.dtype)
+               for x, r in zip(new, residuals)]
+        new_state = new_state._replace(residual=jax.tree_util.tree_unflatten(treedef, new))
     if config.verify_sync:
         _verify_sync(state, axes)
-    new_state = state._replace(count=state.count + 1)
-    if residuals is not None:
-        new_state = new_state._replace(residual=rows)
-    elif deviations is not None:
-        new_state = new_state._replace(deviation=rows)
-    if config.monitored:
-        new_state = new_state._replace(monitor=monitor)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
 
@@ -671,55 +586,18 @@ def _owner_weight(n: int, num_skip: int, config: _Config) -> tuple[float, float]
 
     A Random skipped reduce-scatter always sums the block's owner and each
     other rank with probability ``(N - 1 - k) / (N - 1)``. Weighing the
-    owner by that probability makes every rank's expected weight 1 / N with
-    ``normalize="contributors"`` (the plain mean of the N - k summed gives
-    the owner 1 / (N - k)). ``"world"`` (error feedback's: every value is
+    owner by that probability makes every rank's expected weight 1 / N when
+    the sum is divided by the ranks summed (the plain mean of the N - k
+    summed gives the owner 1 / (N - k)). Error feedback (every value is
     delivered once, now or later) keeps the plain sum over N.
     """
     others = n - 1 - num_skip
-    if config.normalize != "contributors":
+    if config.error_feedback:
         return 1.0, n
     if not config.randomize or others == 0:
         return 1.0, n - num_skip
     own = others / (n - 1)
     return own, own + others
-
-
-def _varies_beyond(leaves: list[jax.Array], axes: tuple[str, ...],
-                   axis_name: str) -> bool:
-    """Whether a leaf is typed varying over a manual axis not in ``axes``."""
-    if not coll.vma_checked(axis_name):
-        return False
-    return any(coll.varying_axes(g) - set(axes) for g in leaves)
-
-
-def _observe(state: Any, means: list[jax.Array], config: _Config, *, n: int,
-             inner: int, key: jax.Array, phase: jax.Array, num_skip: int) -> Any:
-    """The monitor after this step's skipped mean (unchanged if not finite)."""
-    layout = coll.bucket_layout(
-        means, config.axis_name, key=key, phase=phase, num_skip=num_skip,
-        randomize=config.randomize, inner_axis=config.inner_axis,
-        chunks_per_rank=config.chunks_per_rank, bucket_bytes=config.bucket_bytes)
-    sums = [_monitor.piece_sums(means, placed, size=size, salt=i,
-                                pieces=inner * n * s.chunks_per_rank)
-            for i, (placed, size, s) in enumerate(layout)]
-    pieces = [(y, s.contribution_matrix()) for (y, _), (_, _, s) in zip(sums, layout)]
-    norm = sum(squares for _, squares in sums)
-    new = _monitor.observe(state, pieces, norm, n=n, num_skip=num_skip)
-    finite = jnp.isfinite(norm)  # False if an element read is NaN or Inf
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, state)
-
-
-def _follow(sent: list[jax.Array], means: list[jax.Array], summed: list[Any],
-            deviations: list[jax.Array], rate: float) -> list[jax.Array]:
-    """Each deviation plus ``rate * (sent - mean)`` where its rank was summed.
-
-    Over the ranks summed at an element the moves add up to zero (the mean
-    is their average), so the deviations keep summing to zero, up to
-    rounding (float32, deviations of size 3, 10 000 steps: a sum of 3e-6 rms).
-    """
-    return [(c + rate * jnp.where(m, x - mu, 0)).astype(c.dtype)
-            for x, mu, m, c in zip(sent, means, summed, deviations)]
 
 
 def _picked_params(params: Any, skippable: list[bool]) -> list[jax.Array]:
@@ -826,9 +704,9 @@ def _verify_sync(state: SkipReduceState, axes: tuple[str, ...]) -> None:
             what = [name for name, ok in (("step count", count_ok),
                                           ("key (seed)", key_ok),
                                           ("settings", settings_ok)) if not ok]
-            raise RuntimeError(
+            raise_in_callback(RuntimeError(
                 f"{_API}(verify_sync=True): the {', '.join(what)} differ across "
                 f"ranks over {list(axes)} at step {int(count)}. Every rank must "
-                "use the same seed and settings and restore the same state.")
+                "use the same seed and settings and restore the same state."))
 
-    jax.debug.callback(check, *agree, state.count)
+    host_check(check, *agree, state.count)

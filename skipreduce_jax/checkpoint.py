@@ -101,8 +101,8 @@ def _with_empty(restored: Any, like: Any) -> Any:
 
 
 def _per_rank(state: SkipReduceState) -> list[Any]:
-    """The per-rank leaves: error-feedback residuals, control-variate deviations."""
-    return jax.tree_util.tree_leaves((state.residual, state.deviation))
+    """The per-rank leaves: the error-feedback residuals."""
+    return jax.tree_util.tree_leaves(state.residual)
 
 
 def _rows(state: SkipReduceState) -> int | None:
@@ -126,7 +126,8 @@ def _residual_shapes(state: SkipReduceState) -> list[list[int]]:
 
 def _settings(opt_state: Any) -> dict[str, Any]:
     return {"skip_reduce": [
-        {"path": path, "fingerprint": _value(state.fingerprint),
+        {"path": path, "fields": list(SkipReduceState._fields),
+         "fingerprint": _value(state.fingerprint),
          "residual_rows": _rows(state),
          "residual_shapes": _residual_shapes(state)}
         for path, state in _skip_states(opt_state)]}
@@ -219,8 +220,20 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
             f"restore: checkpoint step {step} holds {len(saved_states)} "
             f"skip_reduce state(s) but opt_state_like holds "
             f"{len(like_states)}: the optimizer is built differently.")
+    ours = list(SkipReduceState._fields)
     for entry, (path, state) in zip(saved_states, like_states, strict=True):
         where = f"opt_state{path}"
+        fields = entry.get("fields")
+        if fields != ours:
+            written = ("an earlier version, whose state also held the fields "
+                       "of the retired control_variate and monitor options"
+                       if fields is None else
+                       f"a version whose state has the fields {fields}")
+            raise ValueError(
+                f"restore: the skip_reduce state at {where} of checkpoint step "
+                f"{step} was written by {written}; this version's "
+                f"SkipReduceState has {ours}. Resume it with the version "
+                "that wrote it, or start a new run.")
         want = _value(state.fingerprint)
         if want is not None and entry["fingerprint"] != want:
             raise ValueError(
@@ -228,17 +241,14 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"(fingerprint {entry['fingerprint']:#010x} at {where}) differ "
                 f"from those of the optimizer in opt_state_like (fingerprint "
                 f"{want:#010x}). Build skip_reduce with the same num_skip/"
-                "skip_ratio, randomize, balanced, normalize, min_size, "
-                "warmup_steps, error_feedback, control_variate, monitor, "
-                "exact_radial, inner_axis, chunks_per_rank, bucket_bytes, "
-                "accumulate_dtype and check_finite as the run that saved it "
-                "(a checkpoint written before balanced schedules became the "
-                "default needs balanced=False).")
+                "skip_ratio, randomize, balanced, min_size, warmup_steps, "
+                "error_feedback, exact_radial, inner_axis, bucket_bytes, "
+                "accumulate_dtype and check_finite as the run that saved it.")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
             raise ValueError(
                 f"restore: checkpoint step {step} has per-rank rows (error-"
-                "feedback residuals or control-variate deviations) "
+                "feedback residuals) "
                 f"for {entry['residual_rows']} ranks at {where}, opt_state_like "
                 f"for {rows}. They are per rank: resume on the same "
                 "number of data-parallel ranks, with opt_state_like built by "

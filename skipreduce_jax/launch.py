@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import socket
 import sys
@@ -240,11 +241,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_timeout_arg,
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"end all processes after S seconds and exit {EXIT_TIMEOUT} "
-        f"(default {DEFAULT_TIMEOUT:g}; <= 0: no limit)",
+        f"(default {DEFAULT_TIMEOUT:g}; 0: no limit)",
     )
     parser.add_argument(
         "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
@@ -254,6 +255,19 @@ def _parser() -> argparse.ArgumentParser:
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
     )
     return parser
+
+
+def _timeout_arg(text: str) -> float:
+    """``--timeout``: a finite number of seconds >= 0 (0: no limit)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; give a finite number of seconds >= 0, e.g. "
+            f"--timeout {DEFAULT_TIMEOUT:g}, or --timeout 0 for no limit.")
+    return seconds
 
 
 def _validate(
@@ -281,9 +295,10 @@ def _validate(
             f"than the limit of {MAX_TOTAL_DEVICES}. Lower -n/--num-processes or "
             "--devices-per-process."
         )
-    if timeout is not None and not timeout > 0:
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
         raise LaunchError(
-            f"--timeout must be > 0 seconds (or None for no limit), got {timeout!r}."
+            f"--timeout must be > 0 seconds and finite (or None for no limit), got "
+            f"{timeout!r}."
         )
     if port is not None:
         port = _check_int(port, "--port", "an integer in 1..65535", maximum=65535)

@@ -103,12 +103,6 @@ def test_variant_arguments():
     assert cv.reduce_kwargs("static", 0.5, 3)["randomize"] is False
     assert cv.reduce_kwargs("random+ef", 0.25, 3) == dict(
         skip_ratio=0.25, min_size=0, seed=3, error_feedback=True)
-    assert cv.reduce_kwargs("random+cv0.1", 0.5, 3)["control_variate"] == 0.1
-    assert cv.reduce_kwargs("random+cv1", 0.5, 3)["control_variate"] == 1.0
-    assert cv.label("random+cv0.1") == "Random + control variates, rate 0.1"
-    for bad in ("random+cv0", "random+cv2", "random+cv"):
-        with pytest.raises(ValueError, match="unknown variant"):
-            cv.check_variant(bad)
     with pytest.raises(ValueError, match="no selective rule"):
         cv.reduce_kwargs("random-sel", 0.5, 0)
     with pytest.raises(ValueError, match="unknown variant 'random-c0'"):

@@ -12,10 +12,6 @@ API_PAGES = sorted((ROOT / "docs" / "api").glob("*.md"))
 MODULES = ["skipreduce_jax", "skipreduce_jax.nnx", "skipreduce_jax.contrib",
            "skipreduce_jax.checkpoint", "skipreduce_jax.distributed", "skipreduce_jax.cost"]
 
-# Public names that another branch removes from the library; delete this set
-# (and its use below) once that branch is merged.
-_REMOVED_ON_ANOTHER_BRANCH = {"MonitorState", "NonIIDWarning", "rank_deviation"}
-
 # Retired names and files that no page may mention.
 RETIRED = ["control_variate", "rank_deviation", "NonIIDWarning", "MonitorState",
            "_monitor.py", "monitor_cost.py", "random+cv"]
@@ -32,7 +28,7 @@ def public_names(module_name: str) -> set[str]:
     else:
         names = {name for name in dir(module) if not name.startswith("_")
                  and not inspect.ismodule(getattr(module, name))}
-    return names - _REMOVED_ON_ANOTHER_BRANCH
+    return names
 
 
 def documented() -> set[str]:

@@ -2,7 +2,7 @@
 
 For each example: with k = 0 the SkipReduce step equals the plain
 data-parallel step (XLA's own reductions); with Random SkipReduce every
-replica stays bit-identical; README.md shows the lines that differ.
+replica stays bit-identical; docs/adopting.md shows the lines that differ.
 """
 
 import difflib
@@ -190,7 +190,7 @@ def test_linen_random_skipping_keeps_replicas_identical():
 
 
 # ----------------------------------------------------------------------------
-# README.md shows the diff of the two setups, as they are.
+# docs/adopting.md shows the diff of the two setups, as they are.
 # ----------------------------------------------------------------------------
 
 
@@ -202,13 +202,13 @@ def _setup_diff(module):
 
 
 @pytest.mark.parametrize("module", [nnx_cnn_digits, linen_lm], ids=lambda m: m.__name__)
-def test_readme_shows_the_diff_and_about_ten_lines_differ(module):
+def test_the_docs_show_the_diff_and_about_ten_lines_differ(module):
     diff = _setup_diff(module)
     changed = [line for line in diff if line[:1] in "+-"]
     assert len([line for line in changed if line[0] == "+"]) <= 12, changed
     block = "```diff\n" + "\n".join(diff) + "\n```"
-    assert block in (ROOT / "README.md").read_text(), (
-        "README.md's diff of examples/" + module.__name__ + ".py is out of date; "
+    assert block in (ROOT / "docs" / "adopting.md").read_text(), (
+        "docs/adopting.md's diff of examples/" + module.__name__ + ".py is out of date; "
         "it should read:\n" + block)
 
 

@@ -119,15 +119,14 @@ def test_skip_reduce_passes_accumulate_dtype(dtype):
     """skip_reduce(accumulate_dtype=float32) on bfloat16/float16 gradients."""
     k, seed = 3, 5
     tx = sr.skip_reduce("i", num_skip=k, seed=seed, min_size=0,
-                        chunks_per_rank=4, accumulate_dtype=jnp.float32)
+                        accumulate_dtype=jnp.float32)
     grads = _gradients(dtype, seed=1)
 
     def f(g):
         updates, _ = tx.update(g, tx.init(g))
         # Step one's key: fold_in(key(seed), 0 // L), phase 0.
         key = jax.random.fold_in(jax.random.key(seed), 0)
-        mask = sr.contribution_mask(g, "i", key=key, num_skip=k,
-                                    chunks_per_rank=4)
+        mask = sr.contribution_mask(g, "i", key=key, num_skip=k)
         return (updates,) + _reference(g, mask, N - k)
 
     out, ref, abs_sum = per_rank(f, grads, n=N)

@@ -133,7 +133,7 @@ def test_scale_invariant_layer_gets_no_radial_drift():
 def test_extra_bytes_are_two_floats_per_channel_in_the_compiled_step():
     mesh = jax.make_mesh((N,), ("data",))
     params = {"k": jax.random.normal(jax.random.key(0), (64, 1024))}
-    kw = dict(skip_ratio=0.5, min_size=0, chunks_per_rank=1)
+    kw = dict(skip_ratio=0.5, min_size=0)
     grads = {"k": jax.ShapeDtypeStruct((N, 64, 1024), jnp.float32,
                                        sharding=NamedSharding(mesh, P("data")))}
     sent = {}

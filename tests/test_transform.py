@@ -55,13 +55,18 @@ def test_num_skip_zero_equals_pmean_exactly_in_a_chain():
         np.testing.assert_array_equal(o, w)
 
 
-def test_contributor_counts_and_normalize():
+def test_contributor_counts_and_divisor():
+    # The mean of the N - k ranks summed; error feedback divides by N, as
+    # every value is delivered once, now or later. With k = 1 a sum of
+    # N - 1 of the bits is no multiple of N - 1: the wrong divisor shows.
     x = {"w": bit_inputs(N, 4096)}
-    for normalize, count in (("contributors", N - 4), ("world", N)):
-        tx = sr.skip_reduce("i", skip_ratio=0.5, min_size=0, normalize=normalize)
+    for error_feedback, count in ((False, N - 1), (True, N)):
+        tx = sr.skip_reduce("i", num_skip=1, min_size=0,
+                            error_feedback=error_feedback)
         (out,) = _reduce_once(tx, x)
         sums = out["w"] * count
-        assert np.all(popcount(np.rint(sums)) == N - 4)
+        np.testing.assert_allclose(sums, np.rint(sums), atol=1e-3)
+        assert np.all(popcount(np.rint(sums)) == N - 1)
         np.testing.assert_array_equal(out["w"], out["w"][:1].repeat(N, 0))
 
 
@@ -71,18 +76,17 @@ def test_contributor_counts_and_normalize():
 def test_skip_ratio_rounds_half_up(ratio, n, k):
     assert sr.comm_stats({"w": jnp.zeros(10**6)}, n, skip_ratio=ratio).num_skip == k
     if n == 8:
-        tx = sr.skip_reduce("i", skip_ratio=ratio, min_size=0, normalize="world")
+        tx = sr.skip_reduce("i", skip_ratio=ratio, min_size=0)
         (out,) = _reduce_once(tx, {"w": bit_inputs(N, 2048)})
-        assert np.all(popcount(np.rint(out["w"] * N)) == N - k)
+        assert np.all(popcount(np.rint(out["w"] * (N - k))) == N - k)
 
 
 def test_key_changes_every_step_and_is_seeded():
     x = {"w": bit_inputs(N, 4096)}
-    tx = sr.skip_reduce("i", num_skip=3, min_size=0, normalize="world")
+    tx = sr.skip_reduce("i", num_skip=3, min_size=0)
     a = _reduce_once(tx, x, steps=2)
     b = _reduce_once(tx, x, steps=2)
-    c = _reduce_once(sr.skip_reduce("i", num_skip=3, min_size=0,
-                                    normalize="world", seed=1), x, steps=2)
+    c = _reduce_once(sr.skip_reduce("i", num_skip=3, min_size=0, seed=1), x, steps=2)
     np.testing.assert_array_equal(a[0]["w"], b[0]["w"])  # deterministic
     assert not np.array_equal(a[0]["w"], a[1]["w"])      # step count moves
     assert not np.array_equal(a[0]["w"], c[0]["w"])      # seed matters
@@ -223,9 +227,6 @@ def test_double_reduction_is_refused():
     (dict(num_skip=1, skip_ratio=0.5), "exactly one of num_skip"),
     (dict(skip_ratio=1.5), r"skip_ratio=1.5 must be a number in \[0, 1\]"),
     (dict(num_skip=-1), "num_skip=-1 must be an int >= 0"),
-    (dict(num_skip=1, normalize="mean"), "normalize='mean' must be"),
-    (dict(num_skip=1, error_feedback=True, normalize="contributors"),
-     "error_feedback=True needs normalize='world'"),
     (dict(num_skip=1, warmup_steps=-1), "warmup_steps=-1 must be a non-negative"),
     (dict(num_skip=1, seed=2**32 + 5), r"seed=4294967301 must be in \[0, 2\*\*32\)"),
     (dict(num_skip=1, seed=-1), r"seed=-1 must be in"),
@@ -276,8 +277,7 @@ def test_accumulate_dtype_also_sums_the_full_all_reduces_in_float32():
     n = 4
     grads = {"big": jnp.zeros((4096,), jnp.bfloat16),
              "small": jnp.zeros((64,), jnp.bfloat16)}
-    kw = dict(num_skip=1, min_size=1000, accumulate_dtype=jnp.float32,
-              chunks_per_rank=1)
+    kw = dict(num_skip=1, min_size=1000, accumulate_dtype=jnp.float32)
     tx = sr.skip_reduce("i", **kw)
     mesh = line_mesh(n)
 
@@ -416,3 +416,25 @@ def test_warns_when_nothing_may_be_skipped():
         per_rank(lambda g: tx.update(g, tx.init(g))[0], grads, n=N)
     quiet = sr.skip_reduce("i", num_skip=3, min_size=0)
     per_rank(lambda g: quiet.update(g, quiet.init(g))[0], grads, n=N)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_chunks_per_rank_reaches_the_ring(chunks):
+    # Each sub-chunk is placed by its own draw: one contributor set per
+    # sub-chunk, so a bucket of N slots shows at most N * chunks sets, and
+    # skip_reduce's sets are skip_pmean's with the same key and options.
+    n, size = N, N * 1024
+    grads = bit_inputs(n, size)
+    tx = sr.skip_reduce("i", num_skip=4, min_size=0, chunks_per_rank=chunks, balanced=False)
+
+    def f(g):
+        out, _ = tx.update(g, tx.init(g))
+        key = jax.random.fold_in(jax.random.key(0), 0)
+        ref = sr.skip_pmean(g, "i", key=key, num_skip=4, chunks_per_rank=chunks)
+        return out, ref
+
+    out, ref = per_rank(f, grads, n=n)
+    np.testing.assert_array_equal(out[0], ref[0])
+    sets = np.unique(np.rint(out[0] * (n - 4)))
+    assert len(sets) <= n * chunks
+    assert (popcount(np.rint(out[0] * (n - 4))) == n - 4).all()

@@ -36,7 +36,7 @@ import numpy as np
 from skipreduce_jax._checks import check_choice, check_int, check_num_skip, check_real
 from skipreduce_jax._traffic import skipreduce_bytes, skipreduce_steps
 
-from ._model import LinkModel
+from ._model import LinkModel, read_json
 
 _KIND_MEANINGS: dict[str, str] = {
     "skip": "SkipReduce with num_skip skipped steps",
@@ -177,8 +177,8 @@ def load_measurements(json_path: str | os.PathLike[str]) -> list[Measurement]:
         >>> load_measurements("bench.json")  # doctest: +SKIP
         [Measurement(n=8, num_skip=0, nbytes=4000000, seconds=0.0041, kind='ring'), ...]
     """
-    with open(json_path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = read_json(json_path, "a JSON list of measurement objects, or an object "
+                     "with a 'measurements' list")
     if isinstance(data, Mapping):
         if "measurements" not in data:
             raise ValueError(

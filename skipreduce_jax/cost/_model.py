@@ -241,6 +241,23 @@ def save_link_model(path: str | os.PathLike[str], model: LinkModel) -> None:
         f.write("\n")
 
 
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON value in ``path``; a file that is not JSON names itself and ``what``.
+
+    Raises:
+        ValueError: with the file, the line and the column, if it is not
+            valid JSON (or not UTF-8 text).
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            problem = f"{e.msg} at line {e.lineno}, column {e.colno}"
+        except UnicodeDecodeError as e:
+            problem = f"not UTF-8 text: {e.reason} at byte {e.start}"
+    raise ValueError(f"{os.fspath(path)} is not valid JSON ({problem}). Pass {what}.")
+
+
 def load_link_model(path: str | os.PathLike[str]) -> LinkModel:
     """Reads a link model from a JSON file.
 
@@ -258,8 +275,7 @@ def load_link_model(path: str | os.PathLike[str]) -> LinkModel:
         >>> load_link_model("link.json")  # doctest: +SKIP
         LinkModel(alpha=1e-05, bandwidth=12500000000.0, call_overhead=0.0)
     """
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = read_json(path, "a link model, as 'fit --save' writes it")
     if isinstance(data, Mapping) and "model" in data:
         data = data["model"]
     return LinkModel.from_dict(data)

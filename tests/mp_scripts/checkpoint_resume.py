@@ -37,7 +37,7 @@ mesh = jax.make_mesh((n,), ("data",))
 # min_size=100: "b" (32 elements) is never skipped; its residual is empty.
 tx = optax.chain(
     sr.skip_reduce("data", num_skip=2, seed=11, min_size=100, warmup_steps=1,
-                   error_feedback=True, chunks_per_rank=4),
+                   error_feedback=True),
     optax.adam(0.05))
 
 
