@@ -254,3 +254,27 @@ def test_bfloat16_gradients_added_in_float32_send_bfloat16():
     exact = xs.astype(np.float64).sum(0)
     bound = n * EPS[BF16] * np.abs(xs.astype(np.float64)).sum(0)
     assert got.dtype == BF16 and np.all(np.abs(got[0] - exact) <= bound)
+
+
+@pytest.mark.parametrize("randomize", [True, False])
+def test_inner_axis_sums_whole_hosts(randomize):
+    # The inner axis is summed in float32, the outer ring sends bfloat16;
+    # sums of distinct powers of two below 256 are exact in both.
+    hosts, local, size = 4, 2, 1000
+    mesh = jax.make_mesh((hosts, local), ("host", "local"))
+    bits = 2.0 ** np.arange(hosts * local).reshape(hosts, local, 1)
+    x = jax.device_put(np.broadcast_to(bits, (hosts, local, size)).astype(np.float32),
+                       NamedSharding(mesh, P("host", "local")))
+    for k in range(hosts):
+        def fn(v, k=k):
+            return sr.skip_psum(v[0, 0], "host", key=jax.random.key(k), num_skip=k,
+                                randomize=randomize, inner_axis="local",
+                                comm_dtype=BF16)[None, None]
+
+        f = jax.shard_map(fn, mesh=mesh, in_specs=P("host", "local"),
+                          out_specs=P("host", "local"))
+        sums = np.asarray(jax.jit(f)(x)).astype(np.int64)
+        assert np.all(sums == sums[:1, :1])
+        per_host = np.stack([(sums[0, 0] >> (h * local)) & 3 for h in range(hosts)])
+        assert np.all((per_host == 0) | (per_host == 3))
+        assert np.all((per_host == 3).sum(0) == hosts - k)
