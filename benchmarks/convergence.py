@@ -36,7 +36,10 @@ where the params hold a BatchNorm), ``random-noradial`` (``exact_radial=False``)
 ``random-wW`` (W full all-reduce warm-up steps first),
 ``random-wW-fv`` (the same, then AdamW's second moment frozen: 1-bit Adam's
 recipe without its compression) and ``all-reduce-fvW`` (the all-reduce with
-the second moment frozen after W steps: the control for ``-fv``). Every
+the second moment frozen after W steps: the control for ``-fv``),
+``random-bf16`` (Random with ``comm_dtype=jnp.bfloat16``: 16-bit on the
+wire, float32 in each hop) and ``psum-bf16`` (the baseline a JAX user
+writes: ``lax.pmean`` of the gradients cast to bfloat16, cast back). Every
 skipped variant uses ``min_size=0``: every leaf may be skipped.
 
 Workloads (``--workloads``):
@@ -103,7 +106,8 @@ AXIS = "data"
 WORKLOADS = ("mlp", "mlp-noniid", "cnn-bn", "lm")
 OPTIMIZERS = ("sgd", "adamw")
 VARIANTS = ("all-reduce", "bound", "random", "random-iid", "random-c1", "random-c4", "static",
-            "random+ef", "random-sel", "random-radial", "random-noradial")
+            "random+ef", "random-sel", "random-radial", "random-noradial",
+            "random-bf16", "psum-bf16")
 DEFAULT_VARIANTS = VARIANTS[:VARIANTS.index("random-sel")]
 LABELS = {
     "all-reduce": "all-reduce",
@@ -115,6 +119,8 @@ LABELS = {
     "random-sel": "Random, selective",
     "random-radial": "Random, exact radial components",
     "random-noradial": "Random, exact_radial=False",
+    "random-bf16": "Random, comm_dtype=bfloat16",
+    "psum-bf16": "lax.pmean of bfloat16 gradients",
 }
 _CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
@@ -425,7 +431,7 @@ def make_workload(name: str, seed: int, steps: int, ranks: int) -> Workload:
 def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
                   selective: Any = None) -> dict[str, Any]:
     """The ``skip_reduce`` arguments of a variant (the bound is an all-reduce)."""
-    if variant in ("all-reduce", "bound") or _FROZEN.match(variant):
+    if variant in ("all-reduce", "bound", "psum-bf16") or _FROZEN.match(variant):
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
     match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
@@ -437,6 +443,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random-iid":
         kwargs["balanced"] = False
+    elif variant == "random-bf16":
+        kwargs["comm_dtype"] = jnp.bfloat16
     elif variant == "random+ef":
         kwargs["error_feedback"] = True
     elif variant in ("random-radial", "random-noradial"):
@@ -533,6 +541,21 @@ def make_optimizer(name: str, lr: float, reducer: optax.GradientTransformation,
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
 
 
+def bfloat16_pmean() -> optax.GradientTransformation:
+    """``lax.pmean`` of the gradients cast to bfloat16, cast back.
+
+    The 16-bit baseline a JAX user writes; XLA reduces in bfloat16 (on CPU
+    it widens the all-reduce to float32 and rounds the result).
+    """
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map(
+            lambda g: lax.pmean(g.astype(jnp.bfloat16), AXIS).astype(g.dtype),
+            updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def sync_state(tree: Any) -> Any:
     """Averages over the data axis the model-state leaves that differ per rank.
 
@@ -597,7 +620,8 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
     kwargs = reduce_kwargs(variant, skip_ratio, seed, work.selective)
     lr = work.lr[optimizer] if lr is None else lr
     freeze_after = freeze_steps(variant)
-    tx = make_optimizer(optimizer, lr, sr.skip_reduce(AXIS, **kwargs), freeze_after)
+    reducer = bfloat16_pmean() if variant == "psum-bf16" else sr.skip_reduce(AXIS, **kwargs)
+    tx = make_optimizer(optimizer, lr, reducer, freeze_after)
     train, batch = work.train, work.batch_per_rank
     if variant == "bound":
         keep = kept_per_rank(batch, ranks, skip_ratio)
@@ -630,11 +654,14 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
         xs = jax.device_put(tuple(a[lo:hi] for a in train), batches)
         params, opt_state, state, losses = chunk(params, opt_state, state, xs)
         record(hi, float(np.mean(losses)))
+    comm = sr.comm_stats(work.params, ranks, **kwargs)._asdict()
+    if variant == "psum-bf16":  # the all-reduce's bytes at 2 bytes per float32
+        comm = dict(comm, bytes_per_device=comm["bytes_per_device"] / 2, ratio=0.5)
     return dict(history=history,
-                reduce_kwargs={k: (v if k != "selective" else "workload rule")
+                reduce_kwargs={k: (v if k not in ("selective", "comm_dtype") else
+                                   "workload rule" if k == "selective" else jnp.dtype(v).name)
                                for k, v in kwargs.items()},
-                batch_per_rank=batch, lr=lr,
-                comm=sr.comm_stats(work.params, ranks, **kwargs)._asdict(),
+                batch_per_rank=batch, lr=lr, comm=comm,
                 seconds=time.perf_counter() - start)
 
 

@@ -12,6 +12,8 @@ import math
 import operator
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -230,3 +232,60 @@ def check_distinct_axes(axis_name: Any, inner_axis: Any, *, api: str) -> None:
             f"{api}: inner_axis={inner_axis!r} is also axis_name. Name two "
             "different mesh axes: axis_name the slow (skipped) one, inner_axis "
             "the fast one.")
+
+
+def check_float_dtype(value: Any, name: str, *, api: str, none: str,
+                      example: str) -> np.dtype | None:
+    """Checks that ``value`` is None or a floating-point dtype.
+
+    Args:
+      value: what the caller passed.
+      name: the argument's name.
+      api: the public function, named first in the message.
+      none: what None means, e.g. ``"add in the gradients' dtype"``.
+      example: a dtype to suggest, e.g. ``"jnp.float32"``.
+
+    Returns:
+      None or the dtype JAX computes in (float64 is float32 unless
+      jax_enable_x64 is on).
+
+    Example:
+      >>> check_float_dtype(jnp.bfloat16, "comm_dtype", api="skip_psum",
+      ...                   none="send the gradients' dtype", example="jnp.bfloat16")
+      dtype(bfloat16)
+    """
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{_prefix(api)}{name}={value!r} is not a dtype. Pass None "
+                        f"({none}) or e.g. {example}.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{_prefix(api)}{name}={value!r} is not a floating-point "
+                        f"dtype. Pass None or e.g. {example}.")
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def check_comm_dtype(comm_dtype: Any, *, api: str) -> np.dtype | None:
+    """Checks ``comm_dtype``: None or a floating dtype (e.g. ``jnp.bfloat16``)."""
+    return check_float_dtype(comm_dtype, "comm_dtype", api=api,
+                             none="send the gradients' dtype",
+                             example="jnp.bfloat16 or jnp.float16")
+
+
+def check_comm_width(comm_dtype: np.dtype | None, dtype: Any, *, api: str) -> None:
+    """Refuses a ``comm_dtype`` wider than a gradient's ``dtype``.
+
+    Args:
+      comm_dtype: the checked ``comm_dtype`` (None passes).
+      dtype: a floating gradient leaf's dtype.
+      api: the public function, named first in the message.
+    """
+    if comm_dtype is not None and np.dtype(comm_dtype).itemsize > np.dtype(dtype).itemsize:
+        raise TypeError(
+            f"{_prefix(api)}comm_dtype={np.dtype(comm_dtype).name} is wider than "
+            f"a gradient leaf of dtype {np.dtype(dtype).name}: it would send more "
+            "bytes, not fewer. Pass comm_dtype=None for these gradients, or a "
+            "dtype no wider than theirs (e.g. jnp.bfloat16); to add them in "
+            "float32, pass accumulate_dtype=jnp.float32.")

@@ -64,20 +64,9 @@ def check_sizes(chunks_per_rank: Any, bucket_bytes: Any, *, api: str
 def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
                            ) -> np.dtype | None:
     """Checks that ``accumulate_dtype`` is None or a floating-point dtype."""
-    if accumulate_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(accumulate_dtype)
-    except TypeError as e:
-        raise TypeError(
-            f"{api}: accumulate_dtype={accumulate_dtype!r} is not a dtype. Pass "
-            "None (add in the gradients' dtype) or e.g. jnp.float32.") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{api}: accumulate_dtype={accumulate_dtype!r} is not a "
-            "floating-point dtype. Pass None or e.g. jnp.float32.")
-    # What JAX computes in: float64 is float32 unless jax_enable_x64 is on.
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return checks.check_float_dtype(accumulate_dtype, "accumulate_dtype", api=api,
+                                    none="add in the gradients' dtype",
+                                    example="jnp.float32")
 
 
 def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
@@ -91,6 +80,25 @@ def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
         return np.dtype(jax.dtypes.canonicalize_dtype(
             jnp.promote_types(dtype, accumulate_dtype)))
     return np.dtype(dtype)
+
+
+def wire_dtypes(dtype: Any, accumulate_dtype: np.dtype | None,
+                comm_dtype: np.dtype | None
+                ) -> tuple[np.dtype, np.dtype | None, np.dtype]:
+    """How the ring treats a bucket of ``dtype``: ``(added, sent, gathered)``.
+
+    ``added``: the dtype of each hop's addition; ``sent``: what the
+    reduce-scatter sends, None when it sends ``added`` as it is (no
+    rounding per hop); ``gathered``: what the all-gather sends. With a
+    ``comm_dtype`` (floating leaves only) both phases send it and each hop
+    adds in ``accumulate_dtype``, float32 when that is None (never narrower
+    than the leaf). ``comm_stats`` counts bytes with the same answer.
+    """
+    if comm_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return summed_dtype(dtype, accumulate_dtype), None, np.dtype(dtype)
+    added = summed_dtype(dtype, np.dtype(jnp.float32) if accumulate_dtype is None
+                         else accumulate_dtype)
+    return added, np.dtype(comm_dtype), np.dtype(comm_dtype)
 
 
 def check_normalize(normalize: Any, *, api: str) -> str:
@@ -119,6 +127,16 @@ def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str,
             f"{api}: {name} varies over {sorted(varying)}. SkipReduce needs the "
             f"same {name} on every rank (derive it from a seed and the step count, "
             "never from axis_index), or ranks would disagree on what to drop.")
+
+
+def _check_comm(comm_dtype: Any, leaves: list[jax.Array], api: str
+                ) -> np.dtype | None:
+    """Checks ``comm_dtype`` and that no floating leaf is narrower than it."""
+    comm_dtype = checks.check_comm_dtype(comm_dtype, api=api)
+    for leaf in leaves:
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            checks.check_comm_width(comm_dtype, leaf.dtype, api=api)
+    return comm_dtype
 
 
 def _check_floating(leaves, api: str):
@@ -196,6 +214,7 @@ def _reduce(
     specs: Any = None,
     with_left_out: bool = False,
     phase: Any = 0,
+    comm_dtype: Any = None,
 ) -> Any:
     """The shared body of the public reductions.
 
@@ -209,7 +228,8 @@ def _reduce(
     kwargs = dict(inner_axis=inner_axis, num_skip=num_skip, randomize=randomize,
                   scale=scale, chunks_per_rank=chunks_per_rank,
                   bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-                  gather=gather, api=api, with_left_out=with_left_out)
+                  gather=gather, api=api, with_left_out=with_left_out,
+                  comm_dtype=comm_dtype)
     sharded = _sharded(tree, axis_name, inner_axis, specs, key, phase, api,
                        lambda local, k, ph: _reduce(local, axis_name, key=k, phase=ph,
                                                     **kwargs),
@@ -223,6 +243,7 @@ def _reduce(
     checks.check_choice(gather, "gather", GATHER_CHOICES, api=api)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
     leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
+    comm_dtype = _check_comm(comm_dtype, leaves, api)
     if vma_checked(axis_name):
         # Values typed replicated are summed N times, exactly as psum does.
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
@@ -233,15 +254,19 @@ def _reduce(
         buffer = plan.pack(leaves, bucket)
         if with_left_out:
             left_out.append(_left_out(buffer, schedule, axis_name, inner))
-        acc_dtype = summed_dtype(bucket.dtype, accumulate_dtype)
+        acc_dtype, sent, gathered = wire_dtypes(bucket.dtype, accumulate_dtype,
+                                                comm_dtype)
         if inner_axis is not None:
             buffer = _scatter_inner(buffer.astype(acc_dtype), inner_axis, inner)
         shard = _ring.reduce_scatter(buffer, schedule, axis_name,
-                                     accumulate_dtype=acc_dtype)
+                                     accumulate_dtype=acc_dtype, comm_dtype=sent)
         # Scale and cast the 1/N shard, not the whole buffer.
         if scale is not None:
             shard = shard * jnp.asarray(scale, acc_dtype)
-        if shard.dtype != bucket.dtype:
+        if sent is not None:  # every rank gets the one rounding of each sum
+            out = _ring.gather(shard.astype(gathered), schedule, axis_name,
+                               method=gather, packed=True).astype(bucket.dtype)
+        elif shard.dtype != bucket.dtype:
             out = _gather_narrow(axis_name, gather, bucket.dtype, shard,
                                  schedule)
         else:
@@ -425,6 +450,7 @@ def ring_psum(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     gather: _ring.Gather = "native",
     specs: Any = None,
+    comm_dtype: Any = None,
 ) -> Any:
     """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
 
@@ -446,6 +472,7 @@ def ring_psum(
         otherwise takes them as replicated there. A sharded leaf is reduced
         shard by shard: nothing is sent over those axes and the result keeps
         the leaf's sharding.
+      comm_dtype: as in :func:`skip_psum` (floating leaves only).
 
     Returns:
       The sum over the axis, the same on every rank, with ``x``'s structure.
@@ -465,7 +492,8 @@ def ring_psum(
     return _reduce(
         x, axis_name, inner_axis=None, num_skip=0, key=None, randomize=False,
         scale=None, chunks_per_rank=1, bucket_bytes=bucket_bytes,
-        accumulate_dtype=None, gather=gather, api="ring_psum", specs=specs)
+        accumulate_dtype=None, gather=gather, api="ring_psum", specs=specs,
+        comm_dtype=comm_dtype)
 
 
 def skip_psum(
@@ -483,6 +511,7 @@ def skip_psum(
     accumulate_dtype: Any = None,
     gather: _ring.Gather = "native",
     specs: Any = None,
+    comm_dtype: Any = None,
 ) -> Any:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
@@ -522,6 +551,16 @@ def skip_psum(
         in the promotion of its dtype and this one, never in a narrower one.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
       specs: as in :func:`ring_psum`.
+      comm_dtype: None (send what is summed), or a floating dtype no wider
+        than the leaves, e.g. ``jnp.bfloat16``, that crosses the network:
+        each reduce-scatter step receives it, adds this rank's piece in
+        ``accumulate_dtype`` (float32 when that is None) and rounds once to
+        send; the all-gather sends the reduced sums rounded to it, so every
+        rank gets the same values, cast back to the leaves' dtype. On CPU
+        16-bit values cross packed in uint32 words (XLA:CPU would widen a
+        16-bit float collective to float32); GPU and TPU send them as they
+        are. Only ``axis_name`` is narrowed; an ``inner_axis`` is summed in
+        ``accumulate_dtype``.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -550,7 +589,7 @@ def skip_psum(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs, phase=phase)
+        gather=gather, api=api, specs=specs, phase=phase, comm_dtype=comm_dtype)
 
 
 def skip_pmean(
@@ -568,6 +607,7 @@ def skip_pmean(
     accumulate_dtype: Any = None,
     gather: _ring.Gather = "native",
     specs: Any = None,
+    comm_dtype: Any = None,
 ) -> Any:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
@@ -588,6 +628,7 @@ def skip_pmean(
       accumulate_dtype: as in :func:`skip_psum`.
       gather: as in :func:`skip_psum`.
       specs: as in :func:`ring_psum`.
+      comm_dtype: as in :func:`skip_psum`.
 
     Returns:
       The partial mean, identical on every rank.
@@ -597,7 +638,7 @@ def skip_pmean(
         phase=phase, normalize=normalize, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, gather=gather, specs=specs,
-        api="skip_pmean")
+        comm_dtype=comm_dtype, api="skip_pmean")
 
 
 def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
@@ -649,7 +690,8 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            inner_axis: str | None = None, chunks_per_rank: int | None = None,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
-           specs: Any = None, api: str, with_left_out: bool = False) -> Any:
+           specs: Any = None, comm_dtype: Any = None, api: str,
+           with_left_out: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -660,7 +702,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
         gather=gather, api=api, specs=specs, with_left_out=with_left_out,
-        phase=phase)
+        phase=phase, comm_dtype=comm_dtype)
 
 
 def contribution_mask(
@@ -768,7 +810,8 @@ def _both(axis_name: str, inner_axis: str | None) -> tuple[str, ...]:
 def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
              num_skip: int, randomize: bool, scale: float | None,
              bucket_bytes: int, accumulate_dtype: Any, api: str,
-             phase: Any = 0, own_weight: float = 1.0) -> Any:
+             phase: Any = 0, own_weight: float = 1.0,
+             comm_dtype: Any = None) -> Any:
     """The shared body of the skipped reduce-scatters.
 
     ``own_weight``: Random only, the weight of each block owner's own value
@@ -782,13 +825,14 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, bucket_bytes=bucket_bytes, api=api, phase=phase)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
+    comm_dtype = _check_comm(comm_dtype, leaves, api)
     axes = _both(axis_name, inner_axis)
     if vma_checked(axis_name):
         leaves = [cast_varying(leaf, axes) for leaf in leaves]
     n = schedules[0].axis_size if schedules else 1
     rows = []
     for bucket, (dtype, _) in enumerate(plan.buckets):
-        acc_dtype = summed_dtype(dtype, accumulate_dtype)
+        acc_dtype, sent, _ = wire_dtypes(dtype, accumulate_dtype, comm_dtype)
         if inner_axis is None:
             buffer = plan.pack(leaves, bucket)  # [N, M]
         else:
@@ -797,7 +841,7 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
                 for c in plan.columns(leaves, bucket)])
         row = _ring.reduce_scatter_to_owners(
             buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype,
-            own_weight=own_weight)
+            comm_dtype=sent, own_weight=own_weight)
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
@@ -820,6 +864,7 @@ def skip_psum_scatter(
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     accumulate_dtype: Any = None,
+    comm_dtype: Any = None,
 ) -> Any:
     """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
 
@@ -858,6 +903,9 @@ def skip_psum_scatter(
       inner_axis: hierarchical mode: a second (fast) axis reduced in full.
       bucket_bytes: the byte cap of one packed buffer.
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
+      comm_dtype: as in :func:`skip_psum`: each piece crosses rounded to it
+        and is added in ``accumulate_dtype`` (float32 when None); the owner's
+        block comes back in the leaves' dtype (there is no gather).
 
     Returns:
       This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in
@@ -881,7 +929,7 @@ def skip_psum_scatter(
     return _scatter(x, axis_name, inner_axis=inner_axis, key=key,
                     num_skip=num_skip, randomize=randomize, scale=scale,
                     bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-                    api=api, phase=phase)
+                    api=api, phase=phase, comm_dtype=comm_dtype)
 
 
 def scatter_contribution_mask(

@@ -9,6 +9,7 @@ per step, and index arithmetic for which chunk is where.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -29,6 +30,46 @@ def _shift_right(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
 
 
+def _packed(move, x: jax.Array) -> jax.Array:
+    """``move(x)`` with the narrow floats of ``x`` crossing as uint32 words.
+
+    XLA:CPU rewrites 16-bit float collectives to float32 (twice the bytes)
+    but leaves integer ones alone, so 2 (or 4) values share each word; an odd
+    piece carries one zero of padding. ``move`` may add leading axes (an
+    all-gather); the words are always the last one.
+    """
+    per_word = 4 // x.dtype.itemsize
+    flat = x.reshape(-1)
+    pad = -flat.size % per_word
+    if pad:
+        flat = jnp.concatenate([flat, jnp.zeros_like(flat, shape=(pad,))])
+    words = lax.bitcast_convert_type(flat.reshape(-1, per_word), jnp.uint32)
+    moved = move(words)
+    lead = moved.shape[:-1]
+    values = lax.bitcast_convert_type(moved, x.dtype).reshape(lead + (-1,))
+    return values[..., :x.size].reshape(lead + x.shape)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def send_narrow(move, x: jax.Array) -> jax.Array:
+    """``move(x)`` (a linear collective) for a ``comm_dtype`` value ``x``.
+
+    On CPU a value narrower than 32 bits crosses packed in uint32 words (see
+    :func:`_packed`); GPU and TPU send it as it is. The choice is made when
+    the program is lowered for its platform. The tangent crosses unpacked
+    (bits have no derivative), so the map stays transposable.
+    """
+    if x.dtype.itemsize >= 4:
+        return move(x)
+    return lax.platform_dependent(x, cpu=functools.partial(_packed, move),
+                                  default=move)
+
+
+@send_narrow.defjvp
+def _send_narrow_jvp(move, primals, tangents):
+    return send_narrow(move, primals[0]), move(tangents[0])
+
+
 def _loop(num_steps: int, body, init):
     """Runs ``body(step, carry)`` for steps 1..num_steps, unrolled if short."""
     if num_steps <= MAX_UNROLLED_STEPS:
@@ -45,6 +86,7 @@ def reduce_scatter(
     axis_name: str,
     *,
     accumulate_dtype: jnp.dtype,
+    comm_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """Runs the skipped reduce-scatter.
 
@@ -53,6 +95,9 @@ def reduce_scatter(
       schedule: the plan for this buffer.
       axis_name: the ring's axis.
       accumulate_dtype: dtype of the accumulator (and of what is sent).
+      comm_dtype: None, or the dtype that is sent instead: each step rounds
+        the accumulator to it once, and the receiver adds its own piece in
+        ``accumulate_dtype``.
 
     Returns:
       ``[C, m]``: ring chunk ``rank``, summed over ``N - k`` ranks.
@@ -73,7 +118,11 @@ def reduce_scatter(
         return piece.astype(accumulate_dtype)
 
     def body(step, acc):
-        return _shift_right(acc, axis_name, n) + own_piece(step)
+        if comm_dtype is None:
+            return _shift_right(acc, axis_name, n) + own_piece(step)
+        shift = functools.partial(_shift_right, axis_name=axis_name, n=n)
+        received = send_narrow(shift, acc.astype(comm_dtype))
+        return received.astype(accumulate_dtype) + own_piece(step)
 
     return _loop(last, body, own_piece(0))
 
@@ -84,6 +133,7 @@ def reduce_scatter_to_owners(
     axis_name: str,
     *,
     accumulate_dtype: jnp.dtype,
+    comm_dtype: jnp.dtype | None = None,
     own_weight: float = 1.0,
 ) -> jax.Array:
     """A skipped reduce-scatter that leaves each rank its own block.
@@ -101,6 +151,8 @@ def reduce_scatter_to_owners(
       schedule: the plan for this buffer.
       axis_name: the axis.
       accumulate_dtype: dtype of the sums (and of what is sent).
+      comm_dtype: None, or the dtype that is sent instead (each piece is
+        rounded to it once and added in ``accumulate_dtype`` on arrival).
       own_weight: Random only: the owner's own piece enters the sum times
         this (the others are always summed with weight 1).
 
@@ -113,13 +165,19 @@ def reduce_scatter_to_owners(
             raise ValueError("own_weight applies to Random schedules only.")
         ring = make_schedule(n, num_skip=schedule.num_skip, randomize=False)
         return reduce_scatter(buffer.reshape(-1), ring, axis_name,
-                              accumulate_dtype=accumulate_dtype).reshape(-1)
+                              accumulate_dtype=accumulate_dtype,
+                              comm_dtype=comm_dtype).reshape(-1)
     rank = lax.axis_index(axis_name)
     pieces = buffer.astype(accumulate_dtype)
 
     def send(shift):
-        return lambda piece: lax.ppermute(
-            piece, axis_name, perm=[(i, (i + shift) % n) for i in range(n)])
+        def move(piece):
+            return lax.ppermute(piece, axis_name,
+                                perm=[(i, (i + shift) % n) for i in range(n)])
+        if comm_dtype is None:
+            return move
+        return lambda piece: send_narrow(move, piece.astype(comm_dtype)).astype(
+            accumulate_dtype)
 
     branches = [send(shift) for shift in range(1, n)]
 
@@ -141,6 +199,7 @@ def gather(
     axis_name: str,
     *,
     method: Gather,
+    packed: bool = False,
 ) -> jax.Array:
     """Gathers every rank's reduced ring chunk and puts slots back in order.
 
@@ -153,13 +212,19 @@ def gather(
         over ``axis_name``, as ``psum``'s is, so it can leave ``shard_map``
         with ``out_specs=P()``). ``"ring"`` uses N - 1 ppermute steps; the
         values are the same on every rank but JAX types them as varying.
+      packed: send ``shard`` (a ``comm_dtype`` value) with
+        :func:`send_narrow`: packed in uint32 words on CPU.
 
     Returns:
       The flat reduced buffer of ``N * C * m`` elements, in slot order.
     """
     n = schedule.axis_size
+    def move(x, how):
+        return send_narrow(how, x) if packed else how(x)
+
     if method == "native":
-        by_chunk = all_gather_replicated(shard, axis_name)
+        by_chunk = move(shard, functools.partial(all_gather_replicated,
+                                                 axis_name=axis_name))
         return put_in_slot_order(by_chunk, schedule).reshape(-1)
     if method != "ring":
         raise ValueError(f"gather={method!r}: use 'native' or 'ring'.")
@@ -170,7 +235,8 @@ def gather(
 
     def body(step, carry):
         held, out = carry
-        held = _shift_right(held, axis_name, n)
+        held = move(held, functools.partial(_shift_right, axis_name=axis_name,
+                                            n=n))
         # After `step` shifts this rank holds ring chunk rank - step.
         return held, _place(out, held, (rank - step) % n, schedule)
 

@@ -17,7 +17,7 @@ import numpy as np
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._buckets import plan_buckets
-from skipreduce_jax._collectives import summed_dtype
+from skipreduce_jax._collectives import summed_dtype, wire_dtypes
 from skipreduce_jax._selection import needs_params
 from skipreduce_jax._transform import _make_config, skip_reduce
 
@@ -124,11 +124,19 @@ def comm_stats(
     def summed(dtype):
         return summed_dtype(dtype, config.accumulate_dtype).itemsize
 
-    # The reduce-scatter sends the summed dtype, the gather the leaves' own.
-    skip_sent = sum(
-        traffic.reduce_scatter_bytes(b.padded_size * summed(b.dtype), n, k)
-        + traffic.all_gather_bytes(b.padded_size * b.dtype.itemsize, n)
-        for b in plan.buckets) / inner
+    for x in picked:
+        checks.check_comm_width(config.comm_dtype, x.dtype, api=api)
+
+    def ring_bytes(b):
+        # The reduce-scatter sends the summed dtype (or comm_dtype), the
+        # gather the leaves' own (or comm_dtype).
+        added, sent, gathered = wire_dtypes(b.dtype, config.accumulate_dtype,
+                                            config.comm_dtype)
+        return (traffic.reduce_scatter_bytes(
+                    b.padded_size * (sent or added).itemsize, n, k)
+                + traffic.all_gather_bytes(b.padded_size * gathered.itemsize, n))
+
+    skip_sent = sum(ring_bytes(b) for b in plan.buckets) / inner
     rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
                      zip(sizes, leaves, skippable) if not ok) / inner
     if config.radial(like):  # two float32 per output channel, all-reduced

@@ -97,6 +97,7 @@ class _Config:
     verify_sync: bool
     check_finite: bool
     params_sharded: bool
+    comm_dtype: Any = None
 
     def fingerprint(self) -> int:
         """A checksum of the settings that every rank must share."""
@@ -104,6 +105,10 @@ class _Config:
         for name in ("seed", "selective", "verify_sync"):
             fields.pop(name)
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
+        if fields["comm_dtype"] is None:  # so states saved before it existed match
+            fields.pop("comm_dtype")
+        else:
+            fields["comm_dtype"] = str(fields["comm_dtype"])
         return zlib.crc32(repr(sorted(fields.items())).encode())
 
     @property
@@ -152,6 +157,7 @@ def skip_reduce(
     check_finite: bool = False,
     params_sharded: bool = False,
     verify_sync: bool = False,
+    comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
@@ -252,6 +258,13 @@ def skip_reduce(
         all-reduces of a few words) and raise if they differ (the training
         steps then wait for each call, to raise it there as a plain
         ``RuntimeError``).
+      comm_dtype: e.g. ``jnp.bfloat16``: what the skipped ring sends over
+        ``axis_name`` for float32 gradients (half the bytes). Each hop
+        receives it, adds in ``accumulate_dtype`` (float32 when None) and
+        rounds once to send; the result returns in the gradients' dtype (see
+        ``skip_psum``). Leaves that take the full all-reduce (``min_size``,
+        ``selective``, warm-up, ``num_skip=0``) are averaged by ``lax.pmean``
+        as without it. It may not be wider than any skipped gradient.
 
     BatchNorm: with batch statistics averaged over the data axis, a skipped
     leaf that feeds a BatchNorm (the conv or dense layer before it)
@@ -326,7 +339,7 @@ def _make_config(
     *, axis_name, num_skip, skip_ratio, seed, randomize, balanced, selective,
     min_size, warmup_steps, error_feedback, exact_radial, inner_axis,
     chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
-    params_sharded,
+    params_sharded, comm_dtype=None,
 ) -> _Config:
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
@@ -372,6 +385,7 @@ def _make_config(
     chunks_per_rank, bucket_bytes = coll.check_sizes(
         chunks_per_rank, bucket_bytes, api=_API)
     accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
+    comm_dtype = checks.check_comm_dtype(comm_dtype, api=_API)
 
     # Plain Python values, so that equal settings have equal fingerprints.
     return _Config(
@@ -381,7 +395,7 @@ def _make_config(
         min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
         exact_radial=exact_radial, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes,
-        accumulate_dtype=accumulate_dtype, **flags)
+        accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype, **flags)
 
 
 def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
@@ -504,7 +518,8 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
                      chunks_per_rank=config.chunks_per_rank,
                      normalize=config.normalize,
-                     accumulate_dtype=config.accumulate_dtype)
+                     accumulate_dtype=config.accumulate_dtype,
+                     comm_dtype=config.comm_dtype)
         if residuals is None:
             ar_out = coll.skip_pmean(ar, config.axis_name, **ar_kw)
             if config.radial(params):
@@ -521,6 +536,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         own, divisor = _owner_weight(n, num_skip, config)
         rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (divisor * inner),
                                accumulate_dtype=config.accumulate_dtype,
+                               comm_dtype=config.comm_dtype,
                                api=_API, own_weight=own, **rs_kw)
         if residuals is None:
             return _merge(picked_scattered, rs_out, ar_out), None

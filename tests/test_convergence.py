@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -108,6 +109,23 @@ def test_variant_arguments():
         cv.reduce_kwargs("random-c0", 0.5, 0)
     with pytest.raises(SystemExit):
         cv.parse_args(["--variants", "fast"])
+
+
+def test_sixteen_bit_wire_variants(tmp_path):
+    assert cv.reduce_kwargs("random-bf16", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, comm_dtype=jnp.bfloat16)
+    assert cv.reduce_kwargs("psum-bf16", 0.5, 3) == dict(num_skip=0, min_size=0)
+    report = cv.main(["--steps", "5", "--eval-every", "5", "--variants",
+                      "random-bf16,psum-bf16", "--out", str(tmp_path), "--tag", "bf16",
+                      "--no-plot"])
+    runs = {r["variant"]: r for r in report["runs"]}
+    for name in ("random-bf16", "psum-bf16"):
+        loss = runs[name]["history"]["val_loss"]
+        assert loss[1] < loss[0]
+        assert runs[name]["history"]["val_loss"] != runs["all-reduce"]["history"]["val_loss"]
+    assert runs["random-bf16"]["reduce_kwargs"]["comm_dtype"] == "bfloat16"
+    assert runs["random-bf16"]["comm"]["ratio"] == pytest.approx(10 / 28, rel=0.02)
+    assert runs["psum-bf16"]["comm"]["ratio"] == 0.5
 
 
 def test_warm_up_and_frozen_variance_variants():

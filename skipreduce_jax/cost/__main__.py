@@ -330,6 +330,12 @@ def _add_size_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=sorted(DTYPE_BYTES),
         metavar="DTYPE", help="element type for --params (default float32)",
     )
+    g.add_argument(
+        "--comm-dtype", default=None, choices=sorted(DTYPE_BYTES),
+        metavar="DTYPE", help="what crosses the network (comm_dtype, e.g. "
+        "bfloat16): the ring sends --size (or --params) at this width; not "
+        "with --inner (default: --dtype)",
+    )
 
 
 def _add_mesh_args(p: argparse.ArgumentParser) -> None:
@@ -501,9 +507,18 @@ def _inner_link_from_args(args: argparse.Namespace) -> LinkModel | None:
 
 
 def _nbytes_from_args(args: argparse.Namespace) -> int:
-    if args.size is not None:
-        return args.size
-    return args.params * DTYPE_BYTES[args.dtype]
+    nbytes = args.size if args.size is not None else args.params * DTYPE_BYTES[args.dtype]
+    comm = getattr(args, "comm_dtype", None)
+    if comm is None:
+        return nbytes
+    if DTYPE_BYTES[comm] > DTYPE_BYTES[args.dtype]:
+        raise ValueError(f"--comm-dtype {comm} is wider than --dtype {args.dtype}: "
+                         "pass a narrower one (e.g. bfloat16) or leave it out")
+    if args.inner not in (None, 1):
+        raise ValueError("--comm-dtype narrows the outer ring only; with --inner "
+                         "run the outer axis alone (--n hosts, --size / L)")
+    # The same elements, each sent at the wire's width (skip_psum's comm_dtype).
+    return nbytes * DTYPE_BYTES[comm] // DTYPE_BYTES[args.dtype]
 
 
 def _problem_from_args(

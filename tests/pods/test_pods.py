@@ -9,9 +9,11 @@ import functools
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from jax import lax
@@ -296,3 +298,21 @@ def test_biases_decide_how_much_of_gspmds_all_reduce_xla_overlaps():
         mesh, width=2048, layers=layers, per_device=64, bias=bias), mesh)
         for bias in (True, False)]
     assert counts == [(2 * layers - 2, 2 * layers - 1), (layers - 1, 2 * layers - 1)]
+
+
+@pytest.mark.parametrize("platform, k", [("tpu", 0), ("tpu", 2), ("gpu", 0), ("gpu", 1)])
+def test_comm_dtype_bfloat16_wire_sends_native_16_bit_at_the_formula(platform, k):
+    # GPU and TPU send bfloat16 as it is (CPU packs it in uint32 words).
+    mesh, n = _mesh(platform), PLATFORMS[platform][1]
+    text = pods.compile_collective(lambda v: sr.skip_psum(
+        v, pods.SLOW, key=jax.random.key(0), num_skip=k, comm_dtype=jnp.bfloat16),
+        mesh, LOCAL).as_text()
+    found = pods.collectives(text, pods.mesh_nodes(mesh))
+    assert pods.slow_bytes(found) == _traffic.skipreduce_bytes(2 * LOCAL, n, k)
+    # No packing: what crosses is bf16, no uint32 words (TPU's DCN sends
+    # and receives carry a u32[] scalar beside them).
+    kinds = r"\b(collective-permute|all-gather|send|recv)(-start)?\("
+    lines = [line.split(", metadata")[0] for line in text.splitlines()
+             if re.search(kinds, line.split("=", 1)[-1])]
+    assert lines and not any(re.search(r"u32\[\d", line) for line in lines)
+    assert all("bf16[" in line for line in lines)
