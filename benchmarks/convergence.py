@@ -7,9 +7,12 @@ initialization on the same batches (per seed), and the validation loss is
 measured every ``--eval-every`` steps. Per workload, optimizer and seed:
 
 * the **target** is the all-reduce's validation loss at 2/3 of its run
-  (``--target-fraction``);
+  (``--target-fraction``); for ``mlp-named``, the all-reduce's smoothed
+  validation loss at step 200: the mean of the three evaluations that end
+  there (``TARGET_RULES``);
 * **steps to target** is the first evaluation at which a variant's
-  validation loss is at or below it ("never" if not within ``--steps``);
+  validation loss (smoothed the same way where the target is) is at or
+  below it ("never" if not within ``--steps``);
 * each variant's steps are divided by the all-reduce's and by the
   **information bound**'s: an all-reduce whose ranks each use only
   ``(N - k) / N`` of their batch. Skipping k of N contributions to every
@@ -47,8 +50,14 @@ Workloads (``--workloads``):
 * ``mlp``: a GELU MLP 64-512-512-16 on a 16-class synthetic task (inputs
   drawn from a normal distribution, labels from a random teacher network
   with label noise; numpy, from the seed), 64 samples per rank;
-* ``mlp-noniid``: the same, but each rank samples only ``2 * 16 / N`` of
-  the classes (each class on two ranks);
+* ``mlp-named``: the same MLP, He-normal with the last layer scaled by 0.1,
+  on scikit-learn's ``make_classification`` (12,000 samples of 64
+  features, 16 classes, standardized; 10,000 train, 2,000 validate), 64
+  samples per rank. Its JSON also holds, at every evaluation, the loss and
+  accuracy on the whole training set (``full_train_*``) and the parameters'
+  norm (``weight_norm``);
+* ``mlp-noniid``: the MLP on the teacher task, but each rank samples only
+  ``2 * 16 / N`` of the classes (each class on two ranks);
 * ``cnn-bn``: a small CNN with BatchNorm (``flax.linen``, statistics
   averaged over the data axis with ``axis_name``) on scikit-learn's bundled
   8x8 digits; evaluation uses the running statistics. Its JSON also holds,
@@ -58,8 +67,8 @@ Workloads (``--workloads``):
 * ``lm``: the byte-level transformer of ``examples/train_lm.py`` (imported:
   its model, corpus and batches), shrunk to one block of width 64.
 
-Optimizers (``--optimizers``): ``sgd`` (momentum 0.9) and ``adamw``, at
-learning rates per workload (``--lr`` overrides both).
+Optimizers (``--optimizers``): ``sgd`` (momentum 0.9; ``--momentum``) and
+``adamw``, at learning rates per workload (``--lr`` overrides both).
 
 The step is written by hand: ``skipreduce_jax.local_value_and_grad`` inside
 ``jax.shard_map`` with ``check_vma=True``, ``skip_reduce`` first in the
@@ -103,7 +112,7 @@ import skipreduce_jax as sr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS = "data"
-WORKLOADS = ("mlp", "mlp-noniid", "cnn-bn", "lm")
+WORKLOADS = ("mlp", "mlp-named", "mlp-noniid", "cnn-bn", "lm")
 OPTIMIZERS = ("sgd", "adamw")
 VARIANTS = ("all-reduce", "bound", "random", "random-iid", "random-c1", "random-c4", "static",
             "random+ef", "random-sel", "random-radial", "random-noradial",
@@ -131,6 +140,10 @@ _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
 _FROZEN = re.compile(r"all-reduce-fv([1-9][0-9]*)$")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 NUM_CLASSES_MLP = 16
+# Workloads whose target is not read at ``--target-fraction``: the all-reduce's
+# validation loss at STEP, smoothed as the mean of the EVALUATIONS
+# evaluations that end there; every variant's curve is smoothed the same way.
+TARGET_RULES: dict[str, tuple[int, int]] = {"mlp-named": (200, 3)}
 
 
 def label(variant: str) -> str:
@@ -204,16 +217,19 @@ class MLP(nn.Module):
     Attributes:
       hidden: the hidden widths.
       classes: the number of logits.
+      kernel_init: every Dense kernel's initializer (flax's default: LeCun
+        normal).
     """
 
     hidden: tuple[int, ...] = (512, 512)
     classes: int = NUM_CLASSES_MLP
+    kernel_init: Callable[..., jax.Array] = nn.linear.default_kernel_init
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for width in self.hidden:
-            x = nn.gelu(nn.Dense(width)(x))
-        return nn.Dense(self.classes)(x)
+            x = nn.gelu(nn.Dense(width, kernel_init=self.kernel_init)(x))
+        return nn.Dense(self.classes, kernel_init=self.kernel_init)(x)
 
 
 def softmax_metrics(logits: jax.Array, labels: jax.Array
@@ -290,6 +306,75 @@ def mlp_workload(seed: int, steps: int, ranks: int, *, non_iid: bool = False,
     return Workload("mlp-noniid" if non_iid else "mlp", params, {}, loss, metrics,
                     (xt[idx], yt[idx]), (xv, yv), batch,
                     dict(sgd=0.05, adamw=1e-3))
+
+
+NAMED_TRAIN_ROWS = 10_000
+
+
+def named_data(seed: int) -> tuple[np.ndarray, ...]:
+    """The named MLP's task: ``make_classification``, standardized, split.
+
+    12,000 samples of 64 features (40 informative, 10 redundant), 16 classes
+    of two clusters each, ``class_sep=1.0``, 2% flipped labels, drawn from
+    ``seed``; standardized with the training rows' mean and deviation. The
+    first 10,000 rows train, the other 2,000 validate.
+
+    Returns:
+      ``(x_train, y_train, x_val, y_val)``, float32 and int32.
+    """
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(
+        n_samples=12_000, n_features=64, n_informative=40, n_redundant=10,
+        n_classes=NUM_CLASSES_MLP, n_clusters_per_class=2, class_sep=1.0, flip_y=0.02,
+        random_state=seed)
+    n = NAMED_TRAIN_ROWS
+    x = ((x - x[:n].mean(0)) / x[:n].std(0)).astype(np.float32)
+    y = y.astype(np.int32)
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+def named_mlp_workload(seed: int, steps: int, ranks: int, *, batch: int = 64,
+                       last_scale: float = 0.1) -> Workload:
+    """The named MLP: GELU 64-512-512-16 on :func:`named_data`.
+
+    He-normal kernels, zero biases, the last layer's kernel scaled by
+    ``last_scale``. Every rank draws its ``batch`` samples of every step
+    from the 10,000 training rows. Records, at every evaluation, the loss
+    and accuracy on the whole training set (``full_train_loss``,
+    ``full_train_acc``): the optimization, where the validation loss adds
+    the generalization; and the parameters' global norm (``weight_norm``).
+    """
+    xt, yt, xv, yv = named_data(seed)
+    idx = sample_steps(rank_pools(yt, ranks, False, NUM_CLASSES_MLP), steps, batch, seed)
+    model = MLP(kernel_init=nn.initializers.he_normal())
+    params = model.init(jax.random.key(seed), xt[:1])
+    last = f"Dense_{len(model.hidden)}"
+    params["params"][last]["kernel"] = params["params"][last]["kernel"] * last_scale
+
+    def loss(p, state, b):
+        return softmax_metrics(model.apply(p, b[0]), b[1])[0], state
+
+    def metrics(p, state, b):
+        return softmax_metrics(model.apply(p, b[0]), b[1])
+
+    keep = len(yt) - len(yt) % ranks
+
+    @functools.cache
+    def compiled(mesh):
+        return evaluator(metrics, mesh), jax.device_put(
+            (xt[:keep], yt[:keep]), NamedSharding(mesh, P(AXIS)))
+
+    def diagnostics(p, state, mesh):
+        evaluate, train = compiled(mesh)
+        loss_, acc = evaluate(p, state, train)
+        return dict(full_train_loss=loss_, full_train_acc=acc,
+                    weight_norm=math.sqrt(sum(
+                        np.sum(np.square(np.asarray(x, np.float64)))
+                        for x in jax.tree.leaves(p))))
+
+    return Workload("mlp-named", params, {}, loss, metrics, (xt[idx], yt[idx]), (xv, yv),
+                    batch, dict(sgd=0.05, adamw=1e-3), diagnostics=diagnostics)
 
 
 class BNCNN(nn.Module):
@@ -414,6 +499,8 @@ def make_workload(name: str, seed: int, steps: int, ranks: int) -> Workload:
     """Builds one of :data:`WORKLOADS` for ``seed``."""
     if name == "mlp":
         return mlp_workload(seed, steps, ranks)
+    if name == "mlp-named":
+        return named_mlp_workload(seed, steps, ranks)
     if name == "mlp-noniid":
         return mlp_workload(seed, steps, ranks, non_iid=True)
     if name == "cnn-bn":
@@ -521,8 +608,9 @@ def scale_by_frozen_adam(freeze_after: int, b1: float = 0.9, b2: float = 0.999,
 
 
 def make_optimizer(name: str, lr: float, reducer: optax.GradientTransformation,
-                   freeze_after: int | None = None) -> optax.GradientTransformation:
-    """``reducer`` first, then SGD with momentum 0.9 or AdamW.
+                   freeze_after: int | None = None, momentum: float = 0.9
+                   ) -> optax.GradientTransformation:
+    """``reducer`` first, then SGD with ``momentum`` or AdamW.
 
     ``freeze_after``: AdamW only; its second moment stops after that many
     steps (:func:`scale_by_frozen_adam`).
@@ -530,7 +618,7 @@ def make_optimizer(name: str, lr: float, reducer: optax.GradientTransformation,
     if name == "sgd":
         if freeze_after is not None:
             raise ValueError("freeze_after: AdamW only.")
-        return optax.chain(reducer, optax.sgd(lr, momentum=0.9))
+        return optax.chain(reducer, optax.sgd(lr, momentum=momentum or None))
     if name == "adamw" and freeze_after is not None:
         # optax.adamw's chain, its scale_by_adam replaced.
         return optax.chain(reducer, scale_by_frozen_adam(freeze_after),
@@ -606,8 +694,8 @@ def evaluator(metrics: Callable, mesh: jax.sharding.Mesh) -> Callable:
 
 
 def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.sharding.Mesh,
-              skip_ratio: float, seed: int, eval_every: int, lr: float | None = None
-              ) -> dict[str, Any]:
+              skip_ratio: float, seed: int, eval_every: int, lr: float | None = None,
+              momentum: float = 0.9) -> dict[str, Any]:
     """Trains one variant; returns its history and final values.
 
     Returns:
@@ -621,7 +709,7 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
     lr = work.lr[optimizer] if lr is None else lr
     freeze_after = freeze_steps(variant)
     reducer = bfloat16_pmean() if variant == "psum-bf16" else sr.skip_reduce(AXIS, **kwargs)
-    tx = make_optimizer(optimizer, lr, reducer, freeze_after)
+    tx = make_optimizer(optimizer, lr, reducer, freeze_after, momentum)
     train, batch = work.train, work.batch_per_rank
     if variant == "bound":
         keep = kept_per_rank(batch, ranks, skip_ratio)
@@ -682,6 +770,36 @@ def target_of(history: dict[str, list[float]], fraction: float) -> tuple[int, fl
     return steps[i], history["val_loss"][i]
 
 
+def smooth(history: dict[str, list[float]], window: int) -> dict[str, list[float]]:
+    """``step`` and ``val_loss``, each loss the mean of the ``window`` evaluations ending there.
+
+    The first ``window - 1`` evaluations have no such mean and are left out.
+    """
+    loss = history["val_loss"]
+    return dict(step=history["step"][window - 1:],
+                val_loss=[float(np.mean(loss[i + 1 - window:i + 1]))
+                          for i in range(window - 1, len(loss))])
+
+
+def target_at(history: dict[str, list[float]], step: int, window: int
+              ) -> tuple[int, float]:
+    """The smoothed validation loss (:func:`smooth`) at ``step``.
+
+    Returns:
+      ``(step, loss)``.
+
+    Raises:
+      ValueError: if ``step`` has no smoothed evaluation.
+    """
+    curve = smooth(history, window)
+    if step not in curve["step"]:
+        raise ValueError(
+            f"the target is read at step {step} (the mean of {window} evaluations), "
+            f"but the run evaluated {history['step'][:4]}...{history['step'][-1:]}: "
+            f"run at least {step} steps, with --eval-every dividing {step}.")
+    return step, curve["val_loss"][curve["step"].index(step)]
+
+
 def steps_to(history: dict[str, list[float]], target: float) -> int | None:
     """The first evaluated step whose validation loss is <= ``target``, or None."""
     for step, loss in zip(history["step"], history["val_loss"], strict=True):
@@ -718,7 +836,8 @@ def summarize(runs: Sequence[dict[str, Any]], fraction: float = 2 / 3
         ``seed``, ``variant`` and ``history``; every seed of a group needs an
         ``all-reduce`` run (its target) and, for the bound ratios, a
         ``bound`` run.
-      fraction: where on the all-reduce's run the target is read.
+      fraction: where on the all-reduce's run the target is read, for the
+        workloads without a :data:`TARGET_RULES` entry.
 
     Returns:
       Rows with the per-seed lists ``seeds``, ``steps``, ``vs_allreduce``,
@@ -733,12 +852,17 @@ def summarize(runs: Sequence[dict[str, Any]], fraction: float = 2 / 3
     rows = []
     for key, by_variant in groups.items():
         base = by_variant.get("all-reduce", {})
-        targets = {s: target_of(r["history"], fraction) for s, r in base.items()}
+        rule = TARGET_RULES.get(key[0])
+        targets = {s: target_at(r["history"], *rule) if rule else
+                   target_of(r["history"], fraction) for s, r in base.items()}
+
+        def steps_to_target(history, target, window=rule[1] if rule else 1):
+            return steps_to(smooth(history, window), target)
 
         def steps_of(variant: str, seed: int, by_variant=by_variant,
-                     targets=targets) -> int | None:
+                     targets=targets, find=steps_to_target) -> int | None:
             run = by_variant.get(variant, {}).get(seed)
-            return None if run is None or seed not in targets else steps_to(
+            return None if run is None or seed not in targets else find(
                 run["history"], targets[seed][1])
 
         cost = median([ratio(steps_of("bound", s), steps_of("all-reduce", s))
@@ -933,6 +1057,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "all-reduce-fvW")
     add("--lr", type=float, default=None,
         help="learning rate for every run (default: per workload and optimizer)")
+    add("--momentum", type=float, default=0.9, help="SGD's momentum (0: none)")
     add("--target-fraction", type=float, default=2 / 3,
         help="the target is the all-reduce's validation loss at this fraction of the run")
     add("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
@@ -945,11 +1070,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--ranks: at least 2")
     if any(not 0 <= r <= 1 for r in args.skip_ratio):
         parser.error("--skip-ratio: each in [0, 1]")
+    if not 0 <= args.momentum < 1:
+        parser.error("--momentum must be in [0, 1)")
     if not 0 < args.target_fraction <= 1:
         parser.error("--target-fraction must be in (0, 1]")
     for name in ("workloads", "optimizers", "seeds", "ranks", "skip_ratio", "variants"):
         if not getattr(args, name):
             parser.error(f"--{name.replace('_', '-')} is empty")
+    for name in args.workloads:
+        if name in TARGET_RULES:
+            step, window = TARGET_RULES[name]
+            if (args.steps < step or step % args.eval_every
+                    or step < (window - 1) * args.eval_every):
+                parser.error(f"{name}: its target is read at step {step}; use --steps >= "
+                             f"{step} and an --eval-every dividing {step}.")
     if "all-reduce" not in args.variants:
         args.variants.insert(0, "all-reduce")  # the target
     return args
@@ -988,7 +1122,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                 continue
                             result = train_run(work, variant, optimizer, mesh=mesh,
                                                skip_ratio=ratio_, seed=seed,
-                                               eval_every=args.eval_every, lr=args.lr)
+                                               eval_every=args.eval_every, lr=args.lr,
+                                               momentum=args.momentum)
                             result.update(workload=name, optimizer=optimizer,
                                           ranks=ranks, skip_ratio=ratio_, seed=seed,
                                           variant=variant)

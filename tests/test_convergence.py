@@ -224,3 +224,66 @@ def test_tiny_batchnorm_run_records_norms_and_recalibrated_metrics(tmp_path):
     assert max(base["Conv_0/bias"]) < 1e-6
     assert skip["Conv_0/bias"][-1] > 1e-3
     assert max(remedied["Conv_0/bias"]) < 1e-6
+
+
+def test_named_mlp_workload():
+    work = cv.named_mlp_workload(0, steps=3, ranks=8)
+    xt, yt, xv, yv = cv.named_data(0)
+    # The split: 10,000 training rows, standardized on themselves, 2,000 validation rows.
+    assert xt.shape == (10_000, 64) and xv.shape == (2_000, 64)
+    np.testing.assert_allclose(xt.mean(0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(xt.std(0), 1.0, atol=1e-4)
+    assert set(np.unique(yt)) == set(range(16))
+    from sklearn.datasets import make_classification
+    raw, labels = make_classification(
+        n_samples=12_000, n_features=64, n_informative=40, n_redundant=10, n_classes=16,
+        n_clusters_per_class=2, class_sep=1.0, flip_y=0.02, random_state=0)
+    np.testing.assert_array_equal(yv, labels[10_000:])
+    scale = raw[:10_000].std(0)
+    np.testing.assert_allclose(xv, (raw[10_000:] - raw[:10_000].mean(0)) / scale,
+                               rtol=1e-5, atol=1e-5)
+    # Batches: 3 steps of 8 ranks x 64 samples, every one a training row.
+    assert work.train[0].shape == (3, 512, 64) and work.train[1].shape == (3, 512)
+    np.testing.assert_array_equal(work.val[1], yv)
+    rows = {r.tobytes() for r in xt}
+    assert all(r.tobytes() in rows for r in work.train[0].reshape(-1, 64))
+    assert work.batch_per_rank == 64 and work.lr == dict(sgd=0.05, adamw=1e-3)
+    # He-normal kernels, zero biases, the last kernel scaled by 0.1.
+    layers = work.params["params"]
+    assert [layers[f"Dense_{i}"]["kernel"].shape for i in range(3)] == [
+        (64, 512), (512, 512), (512, 16)]
+    for i, fan_in, scale in ((0, 64, 1.0), (1, 512, 1.0), (2, 512, 0.1)):
+        std = float(jnp.std(layers[f"Dense_{i}"]["kernel"]))
+        assert std == pytest.approx(scale * math.sqrt(2 / fan_in), rel=0.1)
+        assert not np.any(layers[f"Dense_{i}"]["bias"])
+    # Near-uniform logits at the start: the whole training set's loss is log 16.
+    mesh = jax.make_mesh((8,), ("data",))
+    extra = work.diagnostics(sr.replicate(work.params, mesh), {}, mesh)
+    assert float(extra["full_train_loss"]) == pytest.approx(math.log(16), abs=0.02)
+    norm = math.sqrt(sum(float(jnp.sum(x**2)) for x in jax.tree.leaves(work.params)))
+    assert extra["weight_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def test_named_mlp_target_is_the_smoothed_loss_at_step_200():
+    steps = list(range(0, 310, 10))
+    base = [3.0 - 0.01 * s for s in steps]                   # 1.0 at step 200
+    base[19], base[21] = 1.4, 0.7                            # steps 190, 210
+    dip = [v + 0.2 for v in base]
+    dip[15] = 0.8                                            # one low evaluation, at 150
+    runs = [_run("all-reduce", 0, base, workload="mlp-named"),
+            _run("random", 0, dip, workload="mlp-named"),
+            _run("all-reduce", 0, base)]                     # mlp: read at 2/3 of the run
+    rows = {(r["workload"], r["variant"]): r for r in cv.summarize(runs, 2 / 3)}
+    named = rows["mlp-named", "all-reduce"]
+    assert named["target_step"] == [200]
+    assert named["targets"][0] == pytest.approx((1.2 + 1.4 + 1.0) / 3)
+    assert named["steps"] == [200]
+    # Smoothed, the single low evaluation does not reach the target.
+    assert rows["mlp-named", "random"]["steps"] == [220]
+    assert rows["mlp", "all-reduce"]["targets"] == [1.0]   # raw, step 200 of 300
+    assert cv.smooth(_history([3.0, 2.0, 1.0, 0.0]), 3) == dict(
+        step=[20, 30], val_loss=[2.0, 1.0])
+    with pytest.raises(ValueError, match="read at step 200"):
+        cv.target_at(_history([3.0, 2.0]), 200, 3)
+    with pytest.raises(SystemExit):
+        cv.parse_args(["--workloads", "mlp-named", "--steps", "150"])
