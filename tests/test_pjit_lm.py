@@ -51,7 +51,8 @@ def _run(variant, config):
     return mesh, params, state, history
 
 
-@pytest.mark.parametrize("layout", ["hsdp", pytest.param("dp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 20 steps of the example's LM, twice
+@pytest.mark.parametrize("layout", ["hsdp", "dp"])
 def test_k0_step_equals_the_plain_jit_step_over_20_steps(layout):
     config = _config(mesh=layout, skip_ratio=0.0)
     _, _, plain, plain_metrics = _run("plain", config)

@@ -487,6 +487,7 @@ def nnx_example(monkeypatch):
     return pytest.importorskip("nnx_cnn_digits")
 
 
+@pytest.mark.slow  # trains the NNX example's CNN twice
 def test_nnx_example_step_with_one_line_changed(nnx_example):
     mesh = jax.make_mesh((8,), ("data",))
     config = nnx_example.Config(width=4, batch_per_rank=4, dropout=0.0, skip_ratio=0.0)
