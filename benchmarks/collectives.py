@@ -11,6 +11,13 @@ Every variant is a jitted ``jax.shard_map`` over all devices of a 1-D mesh
   (static SkipReduce), k = 0..N-1,
 * ``skip-r k``: the same with ``randomize=True`` (Random SkipReduce; the key
   is an argument of the call, a new one per round, as in training),
+* with ``--comm-dtypes float32,bfloat16``, each of ``psum``, ``ring`` and
+  ``skip-* k`` again with a 16-bit wire (rows ending in ``bf16``):
+  ``lax.psum`` of the buffer cast to bfloat16 (the baseline a JAX user
+  writes; XLA:CPU widens it to a float32 all-reduce, so on CPU hosts it
+  sends float32), and ``comm_dtype=jnp.bfloat16`` for the ring and
+  SkipReduce (16-bit words on the wire, packed in pairs as ``uint32`` on
+  CPU, each hop adding in float32),
 * with ``--breakdown``, the parts of ``ring_psum`` alone: one ppermute ring
   step (size/N elements), the same step as ``--pieces`` ppermutes, the
   native all_gather of the N chunks, and Random's reorder pass; and two
@@ -52,7 +59,7 @@ Two modes:
 Outputs (in ``--out``, default ``benchmarks/results/``):
 ``collectives_<tag>.json`` (metadata, one row per variant and size, and
 ``measurements``: records that :func:`skipreduce_jax.cost.load_measurements`
-reads) and ``collectives_<tag>.png`` (time vs k with the theory line).
+reads, of the float32 rows) and ``collectives_<tag>.png`` (time vs k with the theory line).
 """
 
 from __future__ import annotations
@@ -139,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="skip counts to time (default: all of 0..N-1)")
     p.add_argument("--modes", default="static,random",
                    help="skip_psum variants: static, random or both (default static,random)")
+    p.add_argument("--comm-dtypes", default="float32",
+                   help="wire dtypes of psum, ring and skip_psum, comma-separated, of "
+                        "float32, bfloat16, float16 (default float32)")
     p.add_argument("--gather", choices=("native", "ring"), default="native",
                    help="all-gather of ring_psum/skip_psum (default native)")
     p.add_argument("--rounds", type=int, default=7,
@@ -184,12 +194,15 @@ class Variant:
             ``"part"`` for a piece of the ring (``--breakdown``).
         num_skip: k (0 for psum and ring).
         randomize: for ``skip``: Random (True) or static (False) SkipReduce.
+        comm_dtype: what crosses the network: ``"float32"`` (the buffer's
+            own dtype), ``"bfloat16"`` or ``"float16"``.
     """
 
     name: str
     kind: str
     num_skip: int = 0
     randomize: bool = False
+    comm_dtype: str = "float32"
 
     @property
     def mode(self) -> str:
@@ -209,8 +222,13 @@ BESIDE = "step + reorder"
 BESIDE_PIECES = "step + reorder in pieces"
 
 
+WIRE_DTYPES = {"float32": "", "bfloat16": " bf16", "float16": " f16"}
+"""``--comm-dtypes`` choices and the suffix of their rows' names."""
+
+
 def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
-                  breakdown: bool = False) -> list[Variant]:
+                  breakdown: bool = False,
+                  comm_dtypes: Sequence[str] = ("float32",)) -> list[Variant]:
     """psum, ring, then skip_psum for every k and mode (and the ring's parts).
 
     Args:
@@ -220,6 +238,8 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
         breakdown: add one ppermute step and the all_gather of ring_psum,
             the reorder pass Random SkipReduce adds after its gather, and
             the step and the reorder side by side in one program.
+        comm_dtypes: wire dtypes (``WIRE_DTYPES``); psum, ring and every
+            skip_psum row are made once per dtype, float32 first.
 
     Returns:
         The variants in table order.
@@ -228,13 +248,23 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
     bad = [k for k in ks if not 0 <= k <= n - 1]
     if bad:
         raise SystemExit(f"--ks {bad} outside [0, {n - 1}] for N = {n}")
-    variants = [Variant("psum", "psum"), Variant("ring", "ring")]
+    unknown = [d for d in comm_dtypes if d not in WIRE_DTYPES]
+    if unknown or not comm_dtypes:
+        raise SystemExit(f"--comm-dtypes {list(comm_dtypes)}: each one of "
+                         f"{', '.join(WIRE_DTYPES)}")
     for mode in modes:
         if mode not in ("static", "random"):
             raise SystemExit(f"--modes: unknown mode {mode!r} (static, random)")
-        for k in ks:
-            tag = "s" if mode == "static" else "r"
-            variants.append(Variant(f"skip-{tag} k={k}", "skip", k, mode == "random"))
+    variants = []
+    for dtype in sorted(set(comm_dtypes), key=list(WIRE_DTYPES).index):
+        end = WIRE_DTYPES[dtype]
+        variants += [Variant("psum" + end, "psum", comm_dtype=dtype),
+                     Variant("ring" + end, "ring", comm_dtype=dtype)]
+        for mode in modes:
+            for k in ks:
+                tag = "s" if mode == "static" else "r"
+                variants.append(Variant(f"skip-{tag} k={k}{end}", "skip", k,
+                                        mode == "random", dtype))
     if breakdown:
         variants += [Variant(PERMUTE_STEP, "part"), Variant(PERMUTE_PIECES, "part"),
                      Variant(ALL_GATHER, "part"), Variant(REORDER, "part"),
@@ -269,8 +299,19 @@ def jax_shape_struct(size: int) -> Any:
     return jax.ShapeDtypeStruct((size,), jnp.float32)
 
 
-def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
-    """(2(N-1)-k)/N of the padded float32 buffer: bytes each device sends.
+def wire_width(variant: Variant, platform: str) -> int:
+    """Bytes per element on the wire: 2 for a 16-bit wire, else 4.
+
+    ``lax.psum`` of 16-bit values is widened to a float32 all-reduce by
+    XLA:CPU (``platform == "cpu"``), so it sends 4 bytes there.
+    """
+    if variant.comm_dtype == "float32" or (variant.kind == "psum" and platform == "cpu"):
+        return 4
+    return 2
+
+
+def expected_wire_bytes(size: int, n: int, variant: Variant, platform: str = "cpu") -> float:
+    """(2(N-1)-k)/N of the padded buffer at the wire's width: bytes each device sends.
 
     For the parts: 1/N of the buffer (one step, also beside the reorder),
     (N-1)/N (all_gather) and nothing (the reorder is local).
@@ -284,7 +325,8 @@ def expected_wire_bytes(size: int, n: int, variant: Variant) -> float:
         return chunk_bytes
     if variant.name == ALL_GATHER:
         return all_gather_bytes(n * chunk_bytes, n)
-    return skipreduce_bytes(padded_elements(size, n, variant) * 4, n, variant.num_skip)
+    width = wire_width(variant, platform)
+    return skipreduce_bytes(padded_elements(size, n, variant) * width, n, variant.num_skip)
 
 
 def build_function(variant: Variant, mesh: Any, gather: str,
@@ -310,6 +352,7 @@ def build_function(variant: Variant, mesh: Any, gather: str,
 
     n = mesh.shape[AXIS]
     ring_perm = [(i, (i + 1) % n) for i in range(n)]
+    comm = None if variant.comm_dtype == "float32" else jnp.dtype(variant.comm_dtype)
 
     def reorder_pieces(x: Any, key: Any, count: int) -> list[Any]:
         # The reorder skip_psum runs for this buffer (same sub-chunks), cut
@@ -358,16 +401,18 @@ def build_function(variant: Variant, mesh: Any, gather: str,
     elif variant.kind == "psum":
         def body(x: Any, key: Any) -> Any:
             del key
-            return lax.psum(x, AXIS)
+            if comm is None:
+                return lax.psum(x, AXIS)
+            return lax.psum(x.astype(comm), AXIS).astype(x.dtype)
     elif variant.kind == "ring":
         def body(x: Any, key: Any) -> Any:
             del key
-            return sr.ring_psum(x, AXIS, gather=gather)
+            return sr.ring_psum(x, AXIS, gather=gather, comm_dtype=comm)
     else:
         def body(x: Any, key: Any) -> Any:
             return sr.skip_psum(x, AXIS, key=key if variant.randomize else None,
                                 num_skip=variant.num_skip, randomize=variant.randomize,
-                                gather=gather)
+                                gather=gather, comm_dtype=comm)
     if variant.kind != "part" or variant.name == ALL_GATHER:
         out_spec = P()
     # gather="ring" returns values equal on every rank but typed varying, so
@@ -519,11 +564,12 @@ def time_size(h: Harness, size: int, variants: Sequence[Variant], args: argparse
         fn = build_function(variant, h.mesh, args.gather, args.pieces, args.overlap_pieces)
         compiled = fn.lower(x, keys[0]).compile()
         traffic = collective_traffic(compiled.as_text())
-        expected = expected_wire_bytes(size, h.n, variant)
+        expected = expected_wire_bytes(size, h.n, variant, h.mesh.devices.flat[0].platform)
         got = traffic.bytes_per_device()
         rows.append({
             "name": variant.name, "kind": variant.kind, "mode": variant.mode,
-            "num_skip": variant.num_skip, "size": size, "nbytes": size * 4,
+            "num_skip": variant.num_skip, "comm_dtype": variant.comm_dtype,
+            "size": size, "nbytes": size * 4,
             "padded_elements": padded_elements(size, h.n, variant),
             "wire_bytes": got, "expected_wire_bytes": expected,
             "traffic_ok": bool(math.isclose(got, expected, rel_tol=1e-9)),
@@ -640,6 +686,11 @@ def breakdown_summary(rows: Sequence[dict[str, Any]], n: int, gather: str) -> st
     return text
 
 
+def wire_of(row: dict[str, Any]) -> str:
+    """A row's wire dtype (rows written before ``--comm-dtypes`` are float32)."""
+    return row.get("comm_dtype", "float32")
+
+
 def randomization_summary(rows: Sequence[dict[str, Any]]) -> str | None:
     """What Random SkipReduce costs over static at each k both modes ran.
 
@@ -650,7 +701,8 @@ def randomization_summary(rows: Sequence[dict[str, Any]]) -> str | None:
         One line (None without both modes at some k >= 1): the difference of
         the medians in ms and relative to static.
     """
-    skip = {(r["mode"], r["num_skip"]): r["seconds"] for r in rows if r["kind"] == "skip"}
+    skip = {(r["mode"], r["num_skip"]): r["seconds"] for r in rows
+            if r["kind"] == "skip" and wire_of(r) == "float32"}
     cells = []
     for (mode, k), static in skip.items():
         if mode != "static" or k == 0 or ("random", k) not in skip:
@@ -658,6 +710,28 @@ def randomization_summary(rows: Sequence[dict[str, Any]]) -> str | None:
         extra = skip["random", k] - static
         cells.append(f"k={k} {extra * 1e3:+.1f} ms ({extra / static:+.1%})")
     return "random - static: " + ", ".join(cells) if cells else None
+
+
+def wire_summary(rows: Sequence[dict[str, Any]]) -> str | None:
+    """Each 16-bit-wire row against the same collective on a float32 wire.
+
+    Args:
+        rows: the rows of one size.
+
+    Returns:
+        One line (None without 16-bit rows): per row, its median time over
+        the float32 row's and its bytes sent over the float32 row's.
+    """
+    wide = {(r["kind"], r["mode"], r["num_skip"]): r for r in rows
+            if r["kind"] != "part" and wire_of(r) == "float32"}
+    cells = []
+    for r in rows:
+        base = wide.get((r["kind"], r["mode"], r["num_skip"]))
+        if wire_of(r) == "float32" or base is None:
+            continue
+        cells.append(f"{r['name']} {r['seconds'] / base['seconds']:.3f}x time, "
+                     f"{r['wire_bytes'] / base['wire_bytes']:.3f}x bytes")
+    return ("16-bit wire / float32 wire: " + "; ".join(cells)) if cells else None
 
 
 def overlap_summary(step: float, reorder: float, one: float, pieces: float) -> str:
@@ -694,7 +768,8 @@ def plot(rows: Sequence[dict[str, Any]], n: int, path: Path, title: str) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["kind"] != "part"]
+    narrow = [r for r in rows if r["kind"] == "skip" and wire_of(r) != "float32"]
+    rows = [r for r in rows if r["kind"] != "part" and wire_of(r) == "float32"]
     sizes = sorted({r["size"] for r in rows})
     cols = min(len(sizes), 4)
     nrows = -(-len(sizes) // cols)
@@ -713,6 +788,12 @@ def plot(rows: Sequence[dict[str, Any]], n: int, path: Path, title: str) -> None
                                 for r in pts]).T * 1e3
                 ax.errorbar(k, med, yerr=err, marker=marker, capsize=3,
                             label=f"skip_psum {mode}")
+        for (mode, dtype), marker in ((key, "^") for key in sorted(
+                {(r["mode"], wire_of(r)) for r in narrow if r["size"] == size})):
+            pts = sorted((r for r in narrow if r["size"] == size and r["mode"] == mode
+                          and wire_of(r) == dtype), key=lambda r: r["num_skip"])
+            ax.plot([r["num_skip"] for r in pts], [r["seconds"] * 1e3 for r in pts],
+                    marker=marker, ls="-.", label=f"skip_psum {mode}, {dtype} wire")
         ax.axhline(psum["seconds"] * 1e3, color="k", ls=":", label="lax.psum")
         ax.axhline(ring["seconds"] * 1e3, color="gray", ls="--", label="ring_psum")
         theory = [ring["seconds"] * 1e3 * theory_ratio(n, k) for k in ks]
@@ -760,7 +841,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--sizes: every size must be at least N = {h.n} elements per "
                          "rank (one per ring chunk)")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    variants = make_variants(h.n, args.ks, modes, args.breakdown)
+    comm_dtypes = [d.strip() for d in args.comm_dtypes.split(",") if d.strip()]
+    variants = make_variants(h.n, args.ks, modes, args.breakdown, comm_dtypes)
     setup = (f"{h.processes} process(es) x {jax.local_device_count()} device(s)"
              if multiprocess else f"{h.n} simulated CPU devices in one process")
     log(f"N = {h.n} ({setup}); {len(variants)} variants; sizes "
@@ -802,7 +884,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = time_size(h, size, variants, args, log)
         rows += at
         log(format_table(at, (meta.get("network") or {}).get("rate_bit_per_s")))
-        for summary in (randomization_summary(at),
+        for summary in (randomization_summary(at), wire_summary(at),
                         breakdown_summary(at, h.n, args.gather)):
             if summary:
                 log(summary)
@@ -816,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"at end {fmt_load(meta['load_average_end'])} on {os.cpu_count()} cores")
     measurements = [Measurement(n=h.n, num_skip=r["num_skip"], nbytes=r["nbytes"],
                                 seconds=r["seconds"], kind=r["kind"]).to_dict()
-                    for r in rows if r["kind"] != "part"]
+                    for r in rows if r["kind"] != "part" and wire_of(r) == "float32"]
     tag = args.tag or (f"p{h.processes}x{jax.local_device_count()}" if multiprocess
                        else f"sim{h.n}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -827,6 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwrote {json_path}", flush=True)
     bad = [r["name"] + f" @{format_count(r['size'])}" for r in rows if not r["traffic_ok"]]
     print("traffic check: " + ("every variant sends (2(N-1)-k)/N of its padded buffer"
+                               " at its wire's width"
                                if not bad else f"MISMATCH for {', '.join(bad)}"), flush=True)
     if not args.no_plot:
         png_path = json_path.with_suffix(".png")

@@ -45,10 +45,16 @@ after each gradient reduction:
 * ``static`` (only when asked for): static SkipReduce, the same skipped
   steps as ``random`` but always the same ranks dropped per element. It
   shows what randomization costs in a step and what its bias costs in
-  accuracy.
+  accuracy;
+* ``random-bf16`` and ``psum-bf16`` (only when asked for): a 16-bit wire
+  for the float32 gradients. ``random-bf16`` is ``random`` with
+  ``comm_dtype=jnp.bfloat16`` (each hop adds in float32); ``psum-bf16`` is
+  ``lax.pmean`` of the gradients cast to bfloat16, the baseline a JAX user
+  writes, which XLA:CPU widens to a float32 all-reduce (so on CPU hosts it
+  sends as many bytes as ``all-reduce``).
 
-Without ``--variants`` the ``mlp`` runs all but ``static`` and
-``skip_adamw``; the ``lm`` runs ``all-reduce``, ``skip_adamw``, ``random``,
+Without ``--variants`` the ``mlp`` runs all but ``static``,
+``skip_adamw`` and the 16-bit ones; the ``lm`` runs ``all-reduce``, ``skip_adamw``, ``random``,
 ``topk`` and ``powersgd``.
 
 The held-out metrics are measured every ``--eval-every`` seconds of training
@@ -127,6 +133,7 @@ from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
 from skipreduce_jax import contrib, distributed
+from skipreduce_jax.cost import ring_allreduce_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -135,9 +142,11 @@ NUM_CLASSES = 10
 #: The order variants run in (``all-reduce`` first: its final accuracy is the
 #: target of the others).
 ALL_VARIANTS = ("all-reduce", "skip_adamw", "random", "static", "selective",
-                "random+ef", "topk", "powersgd")
+                "random+ef", "topk", "powersgd", "random-bf16", "psum-bf16")
+#: Variants that run only when ``--variants`` names them.
+ON_REQUEST = ("static", "skip_adamw", "random-bf16", "psum-bf16")
 #: What runs without ``--variants`` (the ``mlp``'s).
-DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("static", "skip_adamw"))
+DEFAULT_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ON_REQUEST)
 #: The ``lm``'s default variants.
 LM_VARIANTS = ("all-reduce", "skip_adamw", "random", "topk", "powersgd")
 #: ``--optimizer`` choices and their default learning rates (the ``mlp``'s).
@@ -270,6 +279,15 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
     psgd_kw = dict(rank=args.rank, warmup_steps=args.powersgd_warmup,
                    seed=args.seed)
     topk_make = lambda: contrib.topk_reduce(AXIS, **topk_kw)  # noqa: E731
+    cast_pmean = lambda: optax.stateless(lambda g, params=None: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: lax.pmean(x.astype(jnp.bfloat16), AXIS).astype(x.dtype), g))
+
+    def cast_pmean_bytes(shapes: Any, n: int) -> float:
+        # XLA:CPU widens a 16-bit all-reduce to float32.
+        width = 4 if jax.devices()[0].platform == "cpu" else 2
+        return sum(ring_allreduce_bytes(math.prod(x.shape) * width, n)
+                   for x in jax.tree_util.tree_leaves(shapes))
+
     specs = {
         "all-reduce": skip(num_skip=0, min_size=0),
         # skip_adamw takes no bucket_bytes: the package's default.
@@ -290,6 +308,8 @@ def make_variants(args: argparse.Namespace) -> dict[str, Variant]:
             lambda: contrib.powersgd_reduce(AXIS, **psgd_kw),
             lambda shapes, n: contrib.powersgd_comm_bytes(shapes, n, **psgd_kw),
             lambda: contrib.powersgd_reduce(AXIS, **{**psgd_kw, "warmup_steps": 0})),
+        "random-bf16": skip(skip_ratio=ratio, min_size=0, comm_dtype=jnp.bfloat16),
+        "psum-bf16": (cast_pmean, cast_pmean_bytes, cast_pmean),
     }
     return {name: Variant(name, *spec) for name, spec in specs.items()}
 

@@ -108,3 +108,44 @@ def test_refuses_what_it_cannot_run(argv, message):
     proc = subprocess.run([sys.executable, str(script), "--rounds", "1", "--no-plot",
                            *argv], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_16bit_rows_send_what_they_claim_and_sum_within_rounding(mesh):
+    variants = cb.make_variants(N, [0, 4], ["random"], comm_dtypes=["bfloat16", "float32"])
+    assert [v.name for v in variants] == [
+        "psum", "ring", "skip-r k=0", "skip-r k=4",
+        "psum bf16", "ring bf16", "skip-r k=0 bf16", "skip-r k=4 bf16"]
+    x, xs, key = _inputs(mesh)
+    total = x.reshape(N, -1).sum(0)
+    for v in variants:
+        fn = cb.build_function(v, mesh, "native")
+        sent = sr.collective_traffic(fn.lower(xs, key).compile().as_text())
+        assert sent.bytes_per_device() == cb.expected_wire_bytes(SIZE, N, v, "cpu"), v.name
+        if v.num_skip == 0:
+            got = np.asarray(fn(xs, key))
+            tol = 1e-4 if v.comm_dtype == "float32" else N * 2.0**-8
+            np.testing.assert_allclose(got, total, atol=tol * np.abs(x).reshape(N, -1)
+                                       .sum(0).max(), err_msg=v.name)
+    narrow = cb.Variant("skip-r k=4 bf16", "skip", 4, True, "bfloat16")
+    assert (cb.expected_wire_bytes(SIZE, N, narrow, "gpu")
+            == cb.expected_wire_bytes(SIZE, N, cb.Variant("skip-r k=4", "skip", 4, True)) / 2)
+    # lax.psum of bfloat16 sends 16 bits where the backend keeps them.
+    psum = cb.Variant("psum bf16", "psum", comm_dtype="bfloat16")
+    assert cb.expected_wire_bytes(SIZE, N, psum, "tpu") == cb.expected_wire_bytes(
+        SIZE, N, psum, "cpu") / 2
+
+
+def test_wire_summary_compares_each_16bit_row_with_its_float32_row():
+    def row(name, kind, mode, k, dtype, seconds, nbytes):
+        return {"name": name, "kind": kind, "mode": mode, "num_skip": k,
+                "comm_dtype": dtype, "seconds": seconds, "wire_bytes": nbytes}
+    rows = [row("ring", "ring", "ring", 0, "float32", 1.0, 100.0),
+            row("skip-r k=2", "skip", "random", 2, "float32", 0.8, 80.0),
+            row("ring bf16", "ring", "ring", 0, "bfloat16", 0.6, 50.0),
+            row("skip-r k=2 bf16", "skip", "random", 2, "bfloat16", 0.5, 40.0)]
+    assert cb.wire_summary(rows) == (
+        "16-bit wire / float32 wire: ring bf16 0.600x time, 0.500x bytes; "
+        "skip-r k=2 bf16 0.625x time, 0.500x bytes")
+    assert cb.wire_summary(rows[:2]) is None
+    with pytest.raises(SystemExit, match="--comm-dtypes"):
+        cb.make_variants(N, [0], ["random"], comm_dtypes=["int8"])

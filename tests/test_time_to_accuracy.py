@@ -292,3 +292,32 @@ def test_tiny_lm_run_writes_every_variant(tmp_path):
     assert adamw["hlo_bytes"] == pytest.approx(adamw["formula_bytes"])
     assert rand["hlo_bytes"] < adamw["hlo_bytes"] < base["hlo_bytes"]
     assert (tmp_path / "lm.png").exists()
+
+
+def test_16bit_wires_run_only_when_asked_and_count_what_crosses():
+    assert not {"random-bf16", "psum-bf16"} & set(tta.parse_args([]).variants)
+    args = tta.parse_args(["--hidden", "8", "--layers", "1", "--shift", "0",
+                           "--variants", "psum-bf16,random-bf16,random,all-reduce"])
+    assert args.variants == ["all-reduce", "random", "random-bf16", "psum-bf16"]
+    trainer = tta.Trainer(args, tta.data_mesh())
+    variants = tta.make_variants(args)
+    nbytes = {name: variants[name].formula_bytes(trainer.params0, trainer.n)
+              for name in args.variants}
+    assert nbytes["random-bf16"] < 0.51 * nbytes["random"]
+    # XLA:CPU widens lax.psum of bfloat16 to float32: no bytes saved here.
+    assert nbytes["psum-bf16"] == nbytes["all-reduce"]
+    params = sr.replicate(trainer.params0, trainer.mesh)
+
+    def reduced(name):
+        tx = variants[name].make()
+        state = sr.init_opt_state(tx, params, trainer.mesh, tta.AXIS)
+        updates, _ = tta.reduction_only(tx, trainer.mesh)(params, state)
+        return [np.asarray(u) for u in jax.tree_util.tree_leaves(updates)]
+
+    n = trainer.n                     # rank r sends (r + 1) * params
+    for u, p in zip(reduced("psum-bf16"), jax.tree_util.tree_leaves(trainer.params0)):
+        np.testing.assert_allclose(u, (n + 1) / 2 * np.asarray(p), rtol=2e-2, atol=1e-6)
+    narrow, wide = reduced("random-bf16"), reduced("random")
+    for a, b in zip(narrow, wide):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-6)
+    assert any(not np.array_equal(a, b) for a, b in zip(narrow, wide))

@@ -154,6 +154,34 @@ def test_bytes_over_the_replica_axis_are_the_formula(name, k):
     assert other <= gspmd_other
 
 
+@pytest.mark.parametrize("name", ["line", "4x2-explicit"])
+def test_comm_dtype_sends_half_the_bytes_within_rounding(name):
+    k = 2
+    mesh, specs, params, batch, (_, grads), jitted = _run(
+        name, num_skip=k, comm_dtype=jnp.bfloat16)
+    *_, (_, wide), _ = _run(name, num_skip=k)  # same step: same drops
+    for key in params:
+        assert grads[key].dtype == jnp.float32
+        scale = float(np.max(np.abs(wide[key])))
+        # Each hop rounds once to bfloat16 (unit roundoff 2**-8).
+        np.testing.assert_allclose(grads[key], wide[key], atol=8 * 2.0**-8 * scale)
+    assert any((np.asarray(grads[key]) != np.asarray(wide[key])).any() for key in params)
+    with jax.set_mesh(mesh):
+        text = jitted.lower(params, batch, 0).compile().as_text()
+    n = mesh.shape["replica"]
+    shards = {key: jax.ShapeDtypeStruct(_local_shape(p.shape, specs[key], mesh), p.dtype)
+              for key, p in params.items()}
+    value_bytes = 2 * (n - 1) / n * 4 * 2  # the loss's and mean_h's pmean, float32
+    if name == "line":
+        replica = sr.collective_traffic(text).bytes_per_device()
+    else:
+        replica, _ = _by_axis(text, mesh)
+    half = sr.comm_stats(shards, n, num_skip=k, min_size=0, comm_dtype=jnp.bfloat16)
+    full = sr.comm_stats(shards, n, num_skip=k, min_size=0)
+    assert half.bytes_per_device == pytest.approx(full.bytes_per_device / 2)
+    assert replica == pytest.approx(half.bytes_per_device + value_bytes)
+
+
 def _xla_text(name):
     """XLA's own program: jax.value_and_grad (value, aux) and an SGD update."""
     mesh, _, params, batch = _setup(name, AxisType.Auto)
