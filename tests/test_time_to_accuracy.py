@@ -304,8 +304,16 @@ def test_16bit_wires_run_only_when_asked_and_count_what_crosses():
     nbytes = {name: variants[name].formula_bytes(trainer.params0, trainer.n)
               for name in args.variants}
     assert nbytes["random-bf16"] < 0.51 * nbytes["random"]
-    # XLA:CPU widens lax.psum of bfloat16 to float32: no bytes saved here.
-    assert nbytes["psum-bf16"] == nbytes["all-reduce"]
+    # XLA:CPU widens lax.psum of bfloat16 to float32: no bytes saved there.
+    cpu = jax.devices()[0].platform == "cpu"
+    assert nbytes["psum-bf16"] == (1 if cpu else 0.5) * nbytes["all-reduce"]
+    for name in ("random-bf16", "psum-bf16"):  # the compiled step agrees
+        tx = tta.training_transform(variants[name], args, steady=True)
+        sent = trainer.hlo_bytes(trainer.compiled_step(tx))
+        # On CPU an odd-length piece crosses with one 16-bit zero of padding
+        # (docs/costs.md): 20 bytes over the formula's 1540 here.
+        padding = 0.02 * nbytes[name] if cpu and name == "random-bf16" else 0
+        assert nbytes[name] <= sent <= nbytes[name] + padding, (name, sent)
     params = sr.replicate(trainer.params0, trainer.mesh)
 
     def reduced(name):
@@ -315,8 +323,10 @@ def test_16bit_wires_run_only_when_asked_and_count_what_crosses():
         return [np.asarray(u) for u in jax.tree_util.tree_leaves(updates)]
 
     n = trainer.n                     # rank r sends (r + 1) * params
-    for u, p in zip(reduced("psum-bf16"), jax.tree_util.tree_leaves(trainer.params0)):
+    cast = reduced("psum-bf16")
+    for u, p in zip(cast, jax.tree_util.tree_leaves(trainer.params0)):
         np.testing.assert_allclose(u, (n + 1) / 2 * np.asarray(p), rtol=2e-2, atol=1e-6)
+    assert any(not np.array_equal(a, b) for a, b in zip(cast, reduced("all-reduce")))
     narrow, wide = reduced("random-bf16"), reduced("random")
     for a, b in zip(narrow, wide):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-6)
