@@ -20,9 +20,11 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The suite and every docstring example, without the tests marked slow.
+# The suite and every docstring example, without the tests marked slow, in
+# one worker process per core (at most TEST_WORKERS; each simulates 8 devices).
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_WORKERS)
 
 # The slow ones: multi-process jobs and short training runs (CI runs both).
 test-slow: $(STAMP)
