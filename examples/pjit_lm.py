@@ -19,8 +19,10 @@ standard-library source, read offline) written the way large linen LMs are:
 
 ``--mesh hsdp`` trains on a ``(replica=4, fsdp=2)`` mesh (parameters
 sharded over ``"fsdp"``, replicated over ``"replica"``, the batch split over
-both), ``--mesh dp`` on one ``replica`` axis of 8 devices. The file holds the
-step twice, so that the two can be compared line by line:
+both), ``--mesh dp`` on one ``replica`` axis of 8 devices, ``--mesh one`` on
+a single device (an accelerator where there is one; no ring, so the two steps
+agree). The file holds the step twice, so that the two can be compared line
+by line:
 
 :func:`plain_step`
     What the loop does today: ``jax.value_and_grad`` on the global batch;
@@ -77,7 +79,7 @@ import skipreduce_jax as sr  # noqa: E402
 
 VARIANTS = ("plain", "skipreduce")
 LABELS = {"plain": "jax.jit, XLA all-reduce", "skipreduce": "Random SkipReduce"}
-MESHES = {"hsdp": {"replica": 4, "fsdp": 2}, "dp": {"replica": 8}}
+MESHES = {"hsdp": {"replica": 4, "fsdp": 2}, "dp": {"replica": 8}, "one": {"replica": 1}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,7 @@ class Config:
 
 
 HELP = {
-    "mesh": "hsdp: (replica=4, fsdp=2); dp: (replica=8)",
+    "mesh": "hsdp: (replica=4, fsdp=2); dp: (replica=8); one: (replica=1), one device",
     "steps": "micro-steps (optimizer updates: steps / accum)",
     "accum": "micro-steps accumulated per update (optax.MultiSteps)",
     "batch_per_device": "windows per device per micro-step",
@@ -289,12 +291,17 @@ STEPS = {"plain": plain_step, "skipreduce": skipreduce_step}
 
 
 def make_mesh(config: Config) -> jax.sharding.Mesh:
-    """The ``--mesh`` layout over 8 devices, Auto axes (GSPMD places the rest)."""
+    """The ``--mesh`` layout, Auto axes (GSPMD places the rest).
+
+    Its devices are the first of the default platform (an accelerator), or
+    the simulated CPU devices where there are too few of those.
+    """
     shape = MESHES[config.mesh]
+    size = math.prod(shape.values())
     devices = jax.devices()
-    if len(devices) == 1:
+    if len(devices) < size:
         devices = jax.devices("cpu")
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices,
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices[:size],
                          axis_types=(AxisType.Auto,) * len(shape))
 
 
