@@ -104,6 +104,11 @@ def value_and_grad(
       is averaged with a warning naming :class:`PerRank`.
     - A loss that divides by a count from its batch (tokens, weights)
       divides by :func:`mean_count` of it: exact on padded batches.
+    - A loss that closes over the batch (``get_loss_fn(batch)``) is
+      refused: every rank would compute the whole batch. Pass the batch as
+      an argument. A count or sum in ``aux`` comes back as the mean over
+      ranks, 1/N of the global one.
+    - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
     step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
@@ -212,7 +217,18 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     single = isinstance(argnums, (int, np.integer))
     ranks = math.prod(mesh.shape[a] for a in axes)
 
+    jitted = []
+
     def wrapped(*args, **kwargs):
+        if not kwargs and not any(isinstance(leaf, jax.core.Tracer)
+                                  for leaf in jax.tree_util.tree_leaves(args)):
+            # Called outside jit: one compiled program, reused on later calls.
+            if not jitted:
+                jitted.append(jax.jit(traced))
+            return jitted[0](*args)
+        return traced(*args, **kwargs)
+
+    def traced(*args, **kwargs):
         if kwargs:
             raise TypeError(
                 f"{_API}: pass fun's arguments positionally (got keyword "
@@ -391,6 +407,13 @@ def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -
     leaves = []
     for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
         vary = tuple(a for a in axes if a in varying_axes(leaf))
+        if per_rank and not np.ndim(leaf):
+            raise ValueError(
+                f"{_API}: skipreduce_jax.PerRank at "
+                f"{jax.tree_util.keystr(path) or 'the root'} holds a scalar. PerRank "
+                "is for per-example rows (a leading batch dimension), which come "
+                "back as every rank's rows in the global batch's order; return a "
+                "scalar unwrapped (it comes back as the mean over ranks).")
         if per_rank or not vary:
             leaves.append(leaf)
         elif jnp.issubdtype(leaf.dtype, jnp.inexact):

@@ -272,3 +272,36 @@ def test_no_module_assigns_to_attributes_of_what_it_did_not_make():
         if hits:
             found[str(path.relative_to(PACKAGE))] = hits
     assert set(found) <= {"_step_context.py"}, found
+
+
+def test_per_rank_of_a_scalar_says_it_needs_rows():
+    params, x = _data()
+    mesh = _auto_mesh()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="PerRank .* holds a scalar"):
+        jax.jit(lambda p, x: sr.value_and_grad(
+            lambda p, x: (_loss(p, x)[0], sr.PerRank(_loss(p, x)[0])), mesh, "data",
+            step=0, has_aux=True, num_skip=0, min_size=0)(p, x))(params, x)
+
+
+def test_a_second_call_outside_jit_compiles_nothing():
+    """Before: 47 programs compiled again on an identical second call."""
+    params, x = _data()
+    mesh = _auto_mesh()
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    grad_fn = sr.value_and_grad(lambda p, x: _loss(p, x)[0], mesh, "data", step=0,
+                                num_skip=4, min_size=0)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with jax.set_mesh(mesh):
+            first = grad_fn(params, x)
+            before = len(compiles)
+            second = grad_fn(params, x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert before > 0 and len(compiles) == before
+    np.testing.assert_array_equal(first[1]["w"], second[1]["w"])
