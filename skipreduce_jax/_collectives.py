@@ -101,6 +101,34 @@ def wire_dtypes(dtype: Any, accumulate_dtype: np.dtype | None,
     return added, np.dtype(comm_dtype), np.dtype(comm_dtype)
 
 
+def can_overflow(wire: np.dtype | None) -> bool:
+    """Whether sums sent as ``wire`` can overflow where float32's would not.
+
+    True for float16 (largest value 65504); bfloat16 has float32's range.
+    """
+    return wire is not None and jnp.finfo(wire).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def nan_unless_finite(values: list[jax.Array], checked: list[bool],
+                      axes: tuple[str, ...] = ()) -> list[jax.Array]:
+    """The ``checked`` values, all NaN if any of them holds an Inf or NaN.
+
+    The float16 wire's overflow rule: a sum beyond float16's range crosses as
+    Inf, and this turns the whole result to NaN rather than leave Inf in
+    some elements. ``axes``: where the checked values differ per rank (a
+    reduce-scatter's blocks), the ranks decide together (one ``pmin`` of a
+    flag); gathered sums are identical on every rank and need none.
+    """
+    picked = [v for v, c in zip(values, checked) if c]
+    if not picked:
+        return values
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in picked]))
+    if axes:
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
+    return [jnp.where(finite, v, jnp.nan).astype(v.dtype) if c else v
+            for v, c in zip(values, checked)]
+
+
 def check_normalize(normalize: Any, *, api: str) -> str:
     return checks.check_choice(normalize, "normalize", NORMALIZE_CHOICES,
                                api=api)
@@ -249,7 +277,7 @@ def _reduce(
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
         leaves = [cast_varying(leaf, axes) for leaf in leaves]
 
-    outputs, left_out = [], []
+    outputs, left_out, checked = [], [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
         if with_left_out:
@@ -274,6 +302,8 @@ def _reduce(
         if inner_axis is not None:
             out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
+        checked.append(can_overflow(sent))
+    outputs = nan_unless_finite(outputs, checked)
     # Zero-size leaves are not packed. Their results get the types the
     # others get (the sum replicated over the reduced axes, what was left
     # out as varying as the input), as lax.cond branches need.
@@ -560,7 +590,14 @@ def skip_psum(
         16-bit values cross packed in uint32 words (XLA:CPU would widen a
         16-bit float collective to float32); GPU and TPU send them as they
         are. Only ``axis_name`` is narrowed; an ``inner_axis`` is summed in
-        ``accumulate_dtype``.
+        ``accumulate_dtype``. Overflow: float16's range ends at 65504, and
+        partial sums grow along the ring; if any sum sent crosses as Inf, or
+        the result holds a NaN or Inf for any other reason, every element
+        of the result is NaN on every rank (one check of the result; no Inf
+        in some elements only, never a finite wrong value). Check it with
+        ``jnp.isfinite``, skip the step (``optax.apply_if_finite``), scale
+        the values down, or send ``jnp.bfloat16``, which has float32's range
+        and is not checked.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -830,7 +867,7 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
     if vma_checked(axis_name):
         leaves = [cast_varying(leaf, axes) for leaf in leaves]
     n = schedules[0].axis_size if schedules else 1
-    rows = []
+    rows, checked = [], []
     for bucket, (dtype, _) in enumerate(plan.buckets):
         acc_dtype, sent, _ = wire_dtypes(dtype, accumulate_dtype, comm_dtype)
         if inner_axis is None:
@@ -845,6 +882,8 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
+        checked.append(can_overflow(sent))
+    rows = nan_unless_finite(rows, checked, axes)
     def zeros(i):  # a zero-size leaf's block, typed like the others
         block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])
         return cast_varying(block, axes) if vma_checked(axis_name) else block
@@ -905,7 +944,10 @@ def skip_psum_scatter(
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
       comm_dtype: as in :func:`skip_psum`: each piece crosses rounded to it
         and is added in ``accumulate_dtype`` (float32 when None); the owner's
-        block comes back in the leaves' dtype (there is no gather).
+        block comes back in the leaves' dtype (there is no gather). With
+        float16, if any rank's block holds a NaN or Inf (a piece beyond
+        65504 crosses as Inf), every rank's whole block is NaN: the ranks
+        agree by one ``pmin`` of a flag (float16 only).
 
     Returns:
       This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in

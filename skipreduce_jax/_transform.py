@@ -234,7 +234,8 @@ def skip_reduce(
         send the wider dtype; the ring's gather sends the gradients' own).
         A leaf wider than it is summed in its own dtype.
       check_finite: one tiny extra all-reduce per step: if any rank's local
-        gradient holds a NaN or Inf, every element of the update becomes NaN
+        gradient holds a NaN or Inf (or, with ``comm_dtype=jnp.float16``, a
+        sum overflowed the wire), every element of the update becomes NaN
         on every rank. Without it a non-finite value reaches only the
         elements where its rank was summed, and vanishes where it was
         left out. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
@@ -265,6 +266,13 @@ def skip_reduce(
         ``skip_psum``). Leaves that take the full all-reduce (``min_size``,
         ``selective``, warm-up, ``num_skip=0``) are averaged by ``lax.pmean``
         as without it. It may not be wider than any skipped gradient.
+        float16 can overflow where float32 would not (a sum beyond 65504
+        crosses as Inf): then the update of every skipped leaf is NaN, on
+        every rank alike, never Inf in some elements; chain
+        ``optax.apply_if_finite(opt, n)`` after ``skip_reduce`` to skip such
+        steps (its state counts them), and add ``check_finite=True`` to make
+        the whole update NaN. bfloat16 has float32's range and is never
+        checked.
 
     BatchNorm: with batch statistics averaged over the data axis, a skipped
     leaf that feeds a BatchNorm (the conv or dense layer before it)
@@ -558,8 +566,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     out = _merge(skippable, reduced, rest)
 
     if config.check_finite:
-        # One flag for all ranks: True when every rank's gradient is finite.
-        finite = lax.pmin(_all_finite(leaves).astype(jnp.int32), axes) > 0
+        # One flag for all ranks: True when every rank's gradient is finite
+        # (and, on a float16 wire, every rank's update: no sum overflowed).
+        finite = _all_finite(leaves)
+        if coll.can_overflow(config.comm_dtype):
+            finite = finite & _all_finite(out)
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     new_state = state._replace(count=state.count + 1)
     if residuals is not None:
