@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
         demo-multihost bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
-        docs wheel wheel-check clean
+        docs figures wheel wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,7 +72,12 @@ $(DOCS_STAMP): pyproject.toml
 	$(DOCS_PY) -m pip install --quiet -e '.[docs]'
 	touch $(DOCS_STAMP)
 
-docs: $(DOCS_STAMP)
+# The site's figures (docs/_static/figures/*.png), drawn from the recorded
+# results in docs/_data/ and from the library's own schedule code.
+figures: $(DOCS_STAMP)
+	$(DOCS_PY) docs/figures.py
+
+docs: figures
 	$(DOCS_VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 	@echo "open docs/_build/html/index.html"
 
@@ -161,4 +166,4 @@ check-pods: $(PODS_STAMP)
 
 clean:
 	rm -rf $(VENV) $(PODS_VENV) $(DOCS_VENV) $(WHEEL_VENV) build dist *.egg-info \
-	    .pytest_cache docs/_build
+	    .pytest_cache docs/_build docs/_static/figures
