@@ -38,6 +38,7 @@ from skipreduce_jax._schedule import (
     make_scatter_schedule,
     make_schedule,
 )
+from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
 
 Normalize = Literal["contributors", "world"]
@@ -474,14 +475,14 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
 
 
 def ring_psum(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
 
     Equals ``lax.psum(x, axis_name)`` (exactly for integers; up to the order of
@@ -527,22 +528,22 @@ def ring_psum(
 
 
 def skip_psum(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
     The reduce-scatter runs N - 1 - k steps instead of N - 1, so every element
@@ -630,22 +631,22 @@ def skip_psum(
 
 
 def skip_pmean(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     normalize: Normalize = "contributors",
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
     Args:
@@ -678,7 +679,7 @@ def skip_pmean(
         comm_dtype=comm_dtype, api="skip_pmean")
 
 
-def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
+def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
                             ) -> tuple[Any, Any]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
@@ -743,18 +744,18 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
 
 
 def contribution_mask(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    specs: Any = None,
-) -> Any:
+    specs: PyTree = None,
+) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
 
     With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``,
@@ -892,19 +893,19 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
 
 
 def skip_psum_scatter(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    accumulate_dtype: DTypeLike | None = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
 
     The reduce-scatter of ``lax.psum_scatter(x, axis_name,
@@ -975,16 +976,16 @@ def skip_psum_scatter(
 
 
 def scatter_contribution_mask(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> Any:
+) -> PyTree:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
 
     It asks the same block plan and schedules, so the two always agree.

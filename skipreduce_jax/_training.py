@@ -54,12 +54,13 @@ from skipreduce_jax._parallel import (
 )
 from skipreduce_jax._per_rank import per_rank_leaves, per_rank_names
 from skipreduce_jax._transform import SkipReduceState
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
 AxisNames = str | tuple[str, ...]
 
 
-def to_varying(tree: Any, axis_name: AxisNames) -> Any:
+def to_varying(tree: PyTree, axis_name: AxisNames) -> PyTree:
     """Types ``tree`` as varying over ``axis_name`` (no data moves).
 
     Inside ``shard_map`` with ``check_vma=True``, the gradient with respect to
@@ -144,7 +145,7 @@ def local_grad(
     return wrapped
 
 
-def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
+def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
     Everything is replicated (``P()``) except per-rank fields: stored outside
@@ -170,7 +171,7 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
                                   per_rank_names(opt_state))
 
 
-def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+def replicate(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Copies every leaf onto every device of ``mesh`` (``P()``).
 
     The copy never aliases ``tree``, so the step may donate it (``device_put``
@@ -182,8 +183,8 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
         lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
 
 
-def shard_params(params: Any, mesh: jax.sharding.Mesh,
-                 axis_name: AxisNames = "data") -> Any:
+def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
+                 axis_name: AxisNames = "data") -> PyTree:
     """Shards params over the data axis by rows: FSDP / ZeRO's layout.
 
     A leaf whose leading dimension divides by the axis size is split along
@@ -220,8 +221,8 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh,
     return jax.tree_util.tree_map(place, params)
 
 
-def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
-                axis_name: AxisNames = "data") -> Any:
+def shard_batch(batch: PyTree, mesh: jax.sharding.Mesh,
+                axis_name: AxisNames = "data") -> PyTree:
     """Splits a batch's leading axis over ``axis_name``.
 
     A tuple splits it over several axes in order: ``("replica", "fsdp")``
@@ -239,8 +240,8 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
     return jax.tree_util.tree_map(lambda x: place_batch(x, mesh, axes), batch)
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: Any,
-                   mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> Any:
+def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
+                   mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> PyTree:
     """Runs ``tx.init`` so each part of the state lands where the step wants it.
 
     It also checks, with one tiny collective over the whole mesh, that every
@@ -304,7 +305,7 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     return opt_state
 
 
-def check_settings_agree(opt_state: Any, mesh: jax.sharding.Mesh) -> None:
+def check_settings_agree(opt_state: PyTree, mesh: jax.sharding.Mesh) -> None:
     """Raises if the :func:`skip_reduce` seed or settings differ by device.
 
     Args:

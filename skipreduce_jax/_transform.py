@@ -21,6 +21,7 @@ import dataclasses
 import math
 import warnings
 import zlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,7 @@ from skipreduce_jax._schedule import (
     skip_ratio_to_num_skip,
 )
 from skipreduce_jax._selection import check_selective, skippable
+from skipreduce_jax._types import DTypeLike, PyTree
 
 _API = "skip_reduce"
 
@@ -145,7 +147,7 @@ def skip_reduce(
     seed: int = 0,
     randomize: bool = True,
     balanced: bool = True,
-    selective: Any = None,
+    selective: PyTree | Callable[[PyTree], PyTree] | None = None,
     min_size: int = 100_000,
     warmup_steps: int = 0,
     error_feedback: bool = False,
@@ -153,11 +155,11 @@ def skip_reduce(
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     check_finite: bool = False,
     params_sharded: bool = False,
     verify_sync: bool = False,
-    comm_dtype: Any = None,
+    comm_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 

@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._transform import SkipReduceState, _Config
+from skipreduce_jax._types import PyTree
 
 __all__ = ["latest_step", "restore", "save"]
 
@@ -140,8 +141,8 @@ def _settings(opt_state: Any) -> dict[str, Any]:
 def save(
     directory: str | os.PathLike[str],
     step: int,
-    params: Any,
-    opt_state: Any,
+    params: PyTree,
+    opt_state: PyTree,
     *,
     max_to_keep: int | None = None,
 ) -> None:
@@ -367,8 +368,8 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
 def restore(
     directory: str | os.PathLike[str],
     *,
-    params_like: Any,
-    opt_state_like: Any,
+    params_like: PyTree,
+    opt_state_like: PyTree,
     step: int | None = None,
 ) -> tuple[int, Any, Any]:
     """Reads a checkpoint written by :func:`save`.
