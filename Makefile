@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
-        demo-multihost bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
+        demo-multihost demo-lm1b bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
         docs figures wheel wheel-check clean
 
 $(STAMP): pyproject.toml
@@ -51,6 +51,12 @@ demo-linen: $(STAMP)
 demo-pjit: $(STAMP)
 	$(PY) examples/pjit_lm.py --mesh hsdp
 	$(PY) examples/pjit_lm.py --mesh dp
+
+# A step shaped like flax's lm1b example, on 8 data ranks, then on lm1b's
+# default data=1, fsdp=8.
+demo-lm1b: $(STAMP)
+	$(PY) examples/lm1b_lm.py --mesh data
+	$(PY) examples/lm1b_lm.py --mesh fsdp --steps 20
 
 # NNX model sharded over (fsdp, tensor), SkipReduce over replica (about 2 minutes).
 demo-sharded: $(STAMP)

@@ -296,7 +296,7 @@ def test_auto_axes_without_param_specs_still_sum_n_minus_k_ranks():
     n, k = 4, 2
     mesh, _, params, _ = _layout("4x2-auto")
     rows = jnp.asarray([[2.0 ** r] for r in range(n)])
-    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="pass param_specs="):
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="Pass param_specs="):
         grads = jax.jit(lambda w, x: sr.value_and_grad(
             lambda w, x: jnp.sum(w * x[:, :, None]), mesh, "replica", step=5,
             num_skip=k, min_size=0)(w, x)[1])(params["w1"], rows)
