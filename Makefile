@@ -5,8 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
-        demo-multihost bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
-        docs clean
+        demo-multihost demo-lm1b bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
+        docs figures wheel wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ demo-pjit: $(STAMP)
 	$(PY) examples/pjit_lm.py --mesh hsdp
 	$(PY) examples/pjit_lm.py --mesh dp
 
+# A step shaped like flax's lm1b example, on 8 data ranks, then on lm1b's
+# default data=1, fsdp=8.
+demo-lm1b: $(STAMP)
+	$(PY) examples/lm1b_lm.py --mesh data
+	$(PY) examples/lm1b_lm.py --mesh fsdp --steps 20
+
 # NNX model sharded over (fsdp, tensor), SkipReduce over replica (about 2 minutes).
 demo-sharded: $(STAMP)
 	$(PY) examples/train_sharded.py
@@ -59,16 +65,54 @@ demo-sharded: $(STAMP)
 demo-multihost: $(STAMP)
 	$(PY) -m skipreduce_jax.launch -n 2 -d 2 examples/multihost_train.py
 
-# The documentation site (Sphinx, MyST markdown; the docs extra) in
-# docs/_build/html, with every warning an error.
-DOCS_STAMP := $(VENV)/.installed-docs
+# The documentation site in docs/_build/html, with every warning an error.
+# Its own small virtualenv: the package and the docs extra only (Sphinx,
+# MyST, furo; flax for the API pages, matplotlib for the figures).
+DOCS_VENV  := .venv-docs
+DOCS_PY    := $(DOCS_VENV)/bin/python
+DOCS_STAMP := $(DOCS_VENV)/.installed
 
-$(DOCS_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[docs]'
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_PY) || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install --quiet --upgrade pip
+	$(DOCS_PY) -m pip install --quiet -e '.[docs]'
 	touch $(DOCS_STAMP)
 
-docs: $(DOCS_STAMP)
-	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+# The site's figures (docs/_static/figures/*.png), drawn from the recorded
+# results in docs/_data/ and from the library's own schedule code.
+figures: $(DOCS_STAMP)
+	$(DOCS_PY) docs/figures.py
+
+docs: figures
+	$(DOCS_VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
+
+# The wheel and sdist in dist/ (python -m build).
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+# The wheel as a user installs it: a clean virtualenv, the wheel with its
+# examples extra from the package index, then examples/pjit_lm.py (small
+# settings, both variants) run from a directory outside the repository, so
+# that only the installed package can be imported.
+WHEEL_VENV := .venv-wheel
+WHEEL_RUN  := $(or $(TMPDIR),/tmp)/skipreduce_jax-wheel-check
+PJIT_SMALL := --mesh hsdp --steps 4 --accum 2 --batch-per-device 1 --seq-len 16 --d-model 16 \
+              --layers 1 --heads 2 --min-size 0 --eval-every 2 --val-windows 8 \
+              --train-mb 0.0625 --val-mb 0.015625
+
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV) $(WHEEL_RUN)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls dist/skipreduce_jax-*.whl)[examples]"
+	mkdir -p $(WHEEL_RUN) && cp -r examples $(WHEEL_RUN)/
+	cd $(WHEEL_RUN) && $(abspath $(WHEEL_VENV))/bin/python -E -s -c \
+	    "import skipreduce_jax as sr; assert '/site-packages/' in sr.__file__, sr.__file__; \
+	     print('installed', sr.__version__, 'at', sr.__file__)"
+	cd $(WHEEL_RUN) && $(abspath $(WHEEL_VENV))/bin/python -E -s examples/pjit_lm.py $(PJIT_SMALL)
+	rm -rf $(WHEEL_RUN)
 
 # In-process collective timings (8 simulated CPU devices).
 bench: $(STAMP)
@@ -127,4 +171,5 @@ check-pods: $(PODS_STAMP)
 	    $(PODS_PY) -m pytest -q tests/pods
 
 clean:
-	rm -rf $(VENV) $(PODS_VENV) build *.egg-info .pytest_cache docs/_build
+	rm -rf $(VENV) $(PODS_VENV) $(DOCS_VENV) $(WHEEL_VENV) build dist *.egg-info \
+	    .pytest_cache docs/_build docs/_static/figures

@@ -2,24 +2,32 @@
 
 import pathlib
 import sys
+import zlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
+
+import skipreduce_jax  # noqa: E402
 
 project = "skipreduce_jax"
 author = "skipreduce_jax authors"
 copyright = "skipreduce_jax authors"
+release = version = skipreduce_jax.__version__
 
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
+    "sphinx.ext.intersphinx",
     "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
 ]
 
-source_suffix = {".md": "markdown"}
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_inventories", "_templates", "_data"]
+templates_path = ["_templates"]
 
 # Google docstrings; each name is documented where its page says.
 napoleon_google_docstring = True
@@ -27,10 +35,41 @@ napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
-autosummary_generate = False
+# Shown by name on the API pages (both are described in api/index).
+autodoc_type_aliases = {"PyTree": "PyTree", "DTypeLike": "jax.typing.DTypeLike"}
+# A page per public name (docs/api/generated/, written at build time).
+autosummary_generate = True
+autosummary_imported_members = True
 
 myst_heading_anchors = 3
-myst_enable_extensions = ["dollarmath"]
+myst_enable_extensions = ["dollarmath", "deflist"]
 
 html_theme = "furo"
 html_title = "skipreduce_jax"
+
+
+def _inventory(name: str) -> str:
+    """Writes docs/_inventories/<name>.txt as a Sphinx inventory; returns its path.
+
+    The site is built without network access, so the inventories of JAX,
+    optax and flax are not downloaded: each text file lists the objects these
+    pages refer to (``name domain:role uri``, ``$`` standing for the name),
+    and intersphinx reads the inventory built from it.
+    """
+    source = DOCS / "_inventories" / f"{name}.txt"
+    lines = [line.split() for line in source.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    body = "".join(f"{obj} {role} 1 {uri} -\n" for obj, role, uri in lines)
+    header = (f"# Sphinx inventory version 2\n# Project: {name}\n# Version: \n"
+              "# The remainder of this file is compressed using zlib.\n")
+    target = DOCS / "_build" / "inventories" / f"{name}.inv"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(header.encode() + zlib.compress(body.encode()))
+    return str(target)
+
+
+intersphinx_mapping = {
+    "jax": ("https://docs.jax.dev/en/latest/", _inventory("jax")),
+    "optax": ("https://optax.readthedocs.io/en/latest/", _inventory("optax")),
+    "flax": ("https://flax.readthedocs.io/en/latest/", _inventory("flax")),
+}

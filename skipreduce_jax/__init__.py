@@ -22,7 +22,7 @@ from skipreduce_jax._collectives import skip_pmean as skip_pmean
 from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_and_left_out
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
-from skipreduce_jax._grad import mean_count as mean_count
+from skipreduce_jax._count import mean_count as mean_count
 from skipreduce_jax._grad import value_and_grad as value_and_grad
 from skipreduce_jax._guards import assert_replicated as assert_replicated
 from skipreduce_jax._guards import check_replicated as check_replicated
@@ -30,6 +30,7 @@ from skipreduce_jax._guards import leaf_agreement as leaf_agreement
 from skipreduce_jax._hlo import CollectiveOp as CollectiveOp
 from skipreduce_jax._hlo import Traffic as Traffic
 from skipreduce_jax._hlo import collective_traffic as collective_traffic
+from skipreduce_jax._multisteps import MultiSteps as MultiSteps
 from skipreduce_jax._norms import BatchNormWarning as BatchNormWarning
 from skipreduce_jax._parallel import PerRank as PerRank
 from skipreduce_jax._parallel import data_parallel as data_parallel
@@ -61,4 +62,4 @@ from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize
 from skipreduce_jax.distributed import process_info as process_info
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

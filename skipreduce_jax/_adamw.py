@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import optax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._transform import skip_reduce
+from skipreduce_jax._types import PyTree
 
 _API = "skip_adamw"
 # What optax.adamw takes besides the learning rate.
@@ -22,7 +24,7 @@ def skip_adamw(
     axis_name: str,
     skip_ratio: float,
     seed: int = 0,
-    selective: Any = None,
+    selective: PyTree | Callable[[PyTree], PyTree] | None = None,
     min_size: int = 0,
     warmup_steps: int = 30,
     **adamw_kwargs: Any,

@@ -207,10 +207,14 @@ def axis_size(axis_name: Any, *, api: str, argument: str = "axis_name") -> int:
     try:
         return int(lax.axis_size(axis_name))
     except NameError as e:
+        reduced = (" If the gradients come from skipreduce_jax.value_and_grad "
+                   "(or skipreduce_jax.nnx.value_and_grad), they are already "
+                   "reduced: take skip_reduce out of the optimizer."
+                   if api.startswith("skip_reduce") else "")
         raise NameError(
             f"{api}: {argument}={axis_name!r} is not a bound axis. Call {api} "
             f"inside jax.shard_map(f, mesh=mesh, ...) whose mesh has an axis "
-            f"named {axis_name!r}.") from e
+            f"named {axis_name!r}.{reduced}") from e
 
 
 def axes_pair(axis_name: Any, inner_axis: Any, *, api: str) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from skipreduce_jax._schedule import (
     make_scatter_schedule,
     make_schedule,
 )
+from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
 
 Normalize = Literal["contributors", "world"]
@@ -99,6 +100,34 @@ def wire_dtypes(dtype: Any, accumulate_dtype: np.dtype | None,
     added = summed_dtype(dtype, np.dtype(jnp.float32) if accumulate_dtype is None
                          else accumulate_dtype)
     return added, np.dtype(comm_dtype), np.dtype(comm_dtype)
+
+
+def can_overflow(wire: np.dtype | None) -> bool:
+    """Whether sums sent as ``wire`` can overflow where float32's would not.
+
+    True for float16 (largest value 65504); bfloat16 has float32's range.
+    """
+    return wire is not None and jnp.finfo(wire).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def nan_unless_finite(values: list[jax.Array], checked: list[bool],
+                      axes: tuple[str, ...] = ()) -> list[jax.Array]:
+    """The ``checked`` values, all NaN if any of them holds an Inf or NaN.
+
+    The float16 wire's overflow rule: a sum beyond float16's range crosses as
+    Inf, and this turns the whole result to NaN rather than leave Inf in
+    some elements. ``axes``: where the checked values differ per rank (a
+    reduce-scatter's blocks), the ranks decide together (one ``pmin`` of a
+    flag); gathered sums are identical on every rank and need none.
+    """
+    picked = [v for v, c in zip(values, checked) if c]
+    if not picked:
+        return values
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in picked]))
+    if axes:
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
+    return [jnp.where(finite, v, jnp.nan).astype(v.dtype) if c else v
+            for v, c in zip(values, checked)]
 
 
 def check_normalize(normalize: Any, *, api: str) -> str:
@@ -249,7 +278,7 @@ def _reduce(
         axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
         leaves = [cast_varying(leaf, axes) for leaf in leaves]
 
-    outputs, left_out = [], []
+    outputs, left_out, checked = [], [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
         if with_left_out:
@@ -274,6 +303,8 @@ def _reduce(
         if inner_axis is not None:
             out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
+        checked.append(can_overflow(sent))
+    outputs = nan_unless_finite(outputs, checked)
     # Zero-size leaves are not packed. Their results get the types the
     # others get (the sum replicated over the reduced axes, what was left
     # out as varying as the input), as lax.cond branches need.
@@ -444,14 +475,14 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
 
 
 def ring_psum(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
 
     Equals ``lax.psum(x, axis_name)`` (exactly for integers; up to the order of
@@ -497,22 +528,22 @@ def ring_psum(
 
 
 def skip_psum(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
     The reduce-scatter runs N - 1 - k steps instead of N - 1, so every element
@@ -560,7 +591,14 @@ def skip_psum(
         16-bit values cross packed in uint32 words (XLA:CPU would widen a
         16-bit float collective to float32); GPU and TPU send them as they
         are. Only ``axis_name`` is narrowed; an ``inner_axis`` is summed in
-        ``accumulate_dtype``.
+        ``accumulate_dtype``. Overflow: float16's range ends at 65504, and
+        partial sums grow along the ring; if any sum sent crosses as Inf, or
+        the result holds a NaN or Inf for any other reason, every element
+        of the result is NaN on every rank (one check of the result; no Inf
+        in some elements only, never a finite wrong value). Check it with
+        ``jnp.isfinite``, skip the step (``optax.apply_if_finite``), scale
+        the values down, or send ``jnp.bfloat16``, which has float32's range
+        and is not checked.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -593,22 +631,22 @@ def skip_psum(
 
 
 def skip_pmean(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     normalize: Normalize = "contributors",
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
-    specs: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
     Args:
@@ -641,7 +679,7 @@ def skip_pmean(
         comm_dtype=comm_dtype, api="skip_pmean")
 
 
-def skip_pmean_and_left_out(x: Any, axis_name: str, **kwargs: Any
+def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
                             ) -> tuple[Any, Any]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
@@ -706,18 +744,18 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
 
 
 def contribution_mask(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    specs: Any = None,
-) -> Any:
+    specs: PyTree = None,
+) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
 
     With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``,
@@ -830,7 +868,7 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
     if vma_checked(axis_name):
         leaves = [cast_varying(leaf, axes) for leaf in leaves]
     n = schedules[0].axis_size if schedules else 1
-    rows = []
+    rows, checked = [], []
     for bucket, (dtype, _) in enumerate(plan.buckets):
         acc_dtype, sent, _ = wire_dtypes(dtype, accumulate_dtype, comm_dtype)
         if inner_axis is None:
@@ -845,6 +883,8 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
+        checked.append(can_overflow(sent))
+    rows = nan_unless_finite(rows, checked, axes)
     def zeros(i):  # a zero-size leaf's block, typed like the others
         block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])
         return cast_varying(block, axes) if vma_checked(axis_name) else block
@@ -853,19 +893,19 @@ def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
 
 
 def skip_psum_scatter(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
-    comm_dtype: Any = None,
-) -> Any:
+    accumulate_dtype: DTypeLike | None = None,
+    comm_dtype: DTypeLike | None = None,
+) -> PyTree:
     """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
 
     The reduce-scatter of ``lax.psum_scatter(x, axis_name,
@@ -905,7 +945,10 @@ def skip_psum_scatter(
       accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
       comm_dtype: as in :func:`skip_psum`: each piece crosses rounded to it
         and is added in ``accumulate_dtype`` (float32 when None); the owner's
-        block comes back in the leaves' dtype (there is no gather).
+        block comes back in the leaves' dtype (there is no gather). With
+        float16, if any rank's block holds a NaN or Inf (a piece beyond
+        65504 crosses as Inf), every rank's whole block is NaN: the ranks
+        agree by one ``pmin`` of a flag (float16 only).
 
     Returns:
       This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in
@@ -933,16 +976,16 @@ def skip_psum_scatter(
 
 
 def scatter_contribution_mask(
-    x: Any,
+    x: PyTree,
     axis_name: str,
     *,
-    key: Any,
+    key: jax.Array | None,
     num_skip: int,
     randomize: bool = True,
-    phase: Any = 0,
+    phase: jax.Array | int = 0,
     inner_axis: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> Any:
+) -> PyTree:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
 
     It asks the same block plan and schedules, so the two always agree.

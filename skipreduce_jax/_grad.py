@@ -11,12 +11,10 @@ passes, as :func:`skip_reduce` derives them from its own step count.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,7 +24,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
+from skipreduce_jax._count import counting_over
+from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
     AxisNames,
     check_batch,
@@ -41,9 +42,12 @@ from skipreduce_jax._transform import skip_reduce
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
-# The data axes of the value_and_grad being traced (None outside any).
-_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "skipreduce_value_and_grad_axes", default=None)
+_CLOSED_OVER = (
+    _API + ": fun closes over {what}. fun runs on each rank's rows of its batch "
+    "arguments, and an array it closes over reaches every rank whole: every "
+    "rank would compute the whole batch and hold the same gradient. Pass the "
+    "batch as an argument instead: def loss_fn(params, batch): ... with "
+    "grad_fn(params, batch).")
 _SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_name"}
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
@@ -59,66 +63,17 @@ _OPTAX_ROUTE = (
     "local_value_and_grad and init_opt_state.")
 
 
-def mean_count(count: Any) -> Any:
-    """A batch's count as a loss that divides by it must see it on each rank.
-
-    A loss that divides a sum by a count taken from its batch (tokens that
-    are not padding, example weights) is exact on the global batch only if
-    it divides by the global count. Divide by ``mean_count(count)``: inside
-    :func:`value_and_grad` it is the count averaged over the ranks (the
-    global count over N), so the mean over ranks of the per-rank losses, and
-    of their gradients, is the global sum over the global count; anywhere
-    else (plain ``jax.value_and_grad``, evaluation) it is ``count`` itself.
-    The same loss then gives the same value and gradients both ways (at
-    ``num_skip=0``), padded batches included.
-
-    Args:
-      count: an array (e.g. ``jnp.sum(mask)``), computed from this rank's
-        rows inside :func:`value_and_grad`.
-
-    Returns:
-      ``lax.pmean(count, data axes)`` inside :func:`value_and_grad`, else
-      ``count``.
-
-    Example:
-      >>> def loss_fn(w, batch):
-      ...     x, mask = batch
-      ...     return jnp.sum(mask * (x * w) ** 2) / mean_count(jnp.sum(mask))
-      >>> x = jnp.arange(16.0)
-      >>> mask = (x % 3 > 0).astype(jnp.float32)  # padding: uneven per rank
-      >>> plain = jax.value_and_grad(loss_fn)(1.0, (x, mask))
-      >>> with jax.set_mesh(mesh):
-      ...     skipped = jax.jit(lambda w: value_and_grad(
-      ...         loss_fn, mesh, "data", step=0, num_skip=0)(w, (x, mask)))(1.0)
-      >>> bool(jnp.allclose(plain[0], skipped[0])), bool(
-      ...     jnp.allclose(plain[1], skipped[1]))
-      (True, True)
-    """
-    axes = _AXES.get()
-    if axes is None:
-        return count
-    return lax.pmean(count, axes)
-
-
-@contextlib.contextmanager
-def _counting_over(axes: tuple[str, ...]) -> Iterator[None]:
-    token = _AXES.set(axes)
-    try:
-        yield
-    finally:
-        _AXES.reset(token)
-
-
 def value_and_grad(
     fun: Callable[..., Any],
-    mesh: jax.sharding.Mesh,
-    axis_name: AxisNames,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    axis_name: AxisNames | None = None,
     *,
     step: Any = None,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
     param_specs: Any = None,
+    microbatches: int = 1,
     **skip_options: Any,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` whose gradient all-reduce is SkipReduce.
@@ -149,6 +104,11 @@ def value_and_grad(
       is averaged with a warning naming :class:`PerRank`.
     - A loss that divides by a count from its batch (tokens, weights)
       divides by :func:`mean_count` of it: exact on padded batches.
+    - A loss that closes over the batch (``get_loss_fn(batch)``) is
+      refused: every rank would compute the whole batch. Pass the batch as
+      an argument. A count or sum in ``aux`` comes back as the mean over
+      ranks, 1/N of the global one.
+    - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
     step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
@@ -165,9 +125,10 @@ def value_and_grad(
     Args:
       fun: the loss, as for ``jax.value_and_grad``, written for the global
         batch.
-      mesh: the device mesh.
+      mesh: the device mesh; None: the mesh of ``jax.set_mesh``.
       axis_name: the data axis; ``(outer, inner)`` for hierarchical
         SkipReduce (the batch is split over both; only ``outer`` skips).
+        None: the mesh's only axis.
       step: the training step (an int, or a traced int scalar such as
         ``state.step``). Required.
       has_aux: as for ``jax.value_and_grad``.
@@ -185,6 +146,13 @@ def value_and_grad(
         grads come back replicated over them (the same values; on the
         (replica=4, fsdp=2) mesh of the tests, twice the bytes over
         ``replica`` and 21 kB more over ``fsdp``).
+      microbatches: gradient accumulation inside the step: each rank cuts
+        its rows into this many micro-batches (row ``i`` into micro-batch
+        ``i % microbatches``), sums their gradients in a ``lax.scan`` and
+        reduces the sum once, so one accumulated step costs one ring. The
+        value and grads are the means over micro-batches; each ``aux``
+        leaf comes back stacked, one entry per micro-batch (leading axis
+        ``microbatches``), to be summed or averaged as it means.
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
@@ -215,11 +183,24 @@ def value_and_grad(
       >>> float(loss)
       1.0
     """
-    axes = mesh_axes(mesh, axis_name, api=_API)
+    return build(fun, mesh, axis_name, step=step, has_aux=has_aux, argnums=argnums,
+                 batch_argnums=batch_argnums, param_specs=param_specs,
+                 microbatches=microbatches, skip_options=skip_options)
+
+
+def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
+          step: Any, has_aux: bool, argnums: int | Sequence[int],
+          batch_argnums: int | Sequence[int] | None, param_specs: Any,
+          microbatches: int, skip_options: dict[str, Any],
+          describe: Callable[[int], str] = "argument {}".format) -> Callable[..., Any]:
+    """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
+    mesh = _resolve_mesh(mesh)
+    axes = mesh_axes(mesh, _resolve_axis(axis_name, mesh), api=_API)
     if len(axes) > 2:
         raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
                          "axis, or two (outer, inner) for hierarchical SkipReduce.")
     step = _check_step(step)
+    microbatches = checks.check_int(microbatches, "microbatches", api=_API, minimum=1)
     _check_options(skip_options)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
                      **skip_options)
@@ -233,10 +214,21 @@ def value_and_grad(
             f"share {both}: params are replicated over {axis_name!r}, the "
             "batch is split over it. Take the params out of batch_argnums.")
     grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-
     single = isinstance(argnums, (int, np.integer))
+    ranks = math.prod(mesh.shape[a] for a in axes)
+
+    jitted = []
 
     def wrapped(*args, **kwargs):
+        if not kwargs and not any(isinstance(leaf, jax.core.Tracer)
+                                  for leaf in jax.tree_util.tree_leaves(args)):
+            # Called outside jit: one compiled program, reused on later calls.
+            if not jitted:
+                jitted.append(jax.jit(traced))
+            return jitted[0](*args)
+        return traced(*args, **kwargs)
+
+    def traced(*args, **kwargs):
         if kwargs:
             raise TypeError(
                 f"{_API}: pass fun's arguments positionally (got keyword "
@@ -249,30 +241,95 @@ def value_and_grad(
                     f"of range for a call with {len(args)} arguments.")
         batch = (tuple(i for i in range(len(args)) if i not in params_at)
                  if given_batch is None else given_batch)
-        ranks = math.prod(mesh.shape[a] for a in axes)
         for i in batch:
-            check_batch(args[i], ranks, axes, api=_API, name=f"argument {i}",
+            check_batch(args[i], ranks, axes, api=_API, name=describe(i),
                         or_else="pass it in neither argnums nor batch_argnums "
                                 "(replicated)", traced=True)
         params = _params_of(args, params_at, single)
+        if ranks == 1:
+            # One rank: the gradient is already the global one (and XLA's
+            # partitioner refuses an all-reduce over a size-1 manual axis).
+            return accumulate(grad, args, batch, microbatches, has_aux=has_aux)
         specs = _param_specs(params, param_specs, mesh, axes)
+        rows = {leaf.shape[0] for i in batch
+                for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
+        checked = []
 
         def local(step, *local_args):
             """One rank: local value and grads, reduced by skip_reduce."""
+            if not checked:  # the first (abstract) trace
+                checked.append(True)
+                _refuse_closed_over_batch(fun, local_args, rows)
             local_params = _params_of(local_args, params_at, single)
             local_args = list(local_args)
             for i in params_at:
                 local_args[i] = to_varying(local_args[i], axes)
-            with _counting_over(axes), _shards.hints(
+            with counting_over(axes), _shards.hints(
                     jax.tree_util.tree_leaves(local_params), specs):
-                out, grads = grad(*local_args)
+                out, grads = accumulate(grad, local_args, batch, microbatches,
+                                                  has_aux=has_aux)
                 state = tx.init(local_params)._replace(count=step)
                 grads, _ = tx.update(grads, state, local_params)
             return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
 
-        return _mapped(step_body(local), mesh, axes, step, args, batch, params, specs)
+        try:
+            return _mapped(step_body(local), mesh, axes, step, args, batch, params, specs)
+        except NotImplementedError as e:  # JAX's, for a closure over Explicit axes
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            raise ValueError(_CLOSED_OVER.format(
+                what="an array sharded over Explicit axes")) from e
 
     return wrapped
+
+
+def _resolve_mesh(mesh: Any) -> Any:
+    """``mesh``, or the mesh ``jax.set_mesh`` set; refused if neither."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                f"{_API}: no mesh. Pass mesh=, or call the step under "
+                "jax.set_mesh(mesh), whose mesh is then used.")
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"{_API}: mesh must be a jax.sharding.Mesh (or None for "
+                        f"the mesh of jax.set_mesh), got {type(mesh).__name__}.")
+    if mesh.empty:
+        raise ValueError(f"{_API}: the mesh has no axes; pass the device mesh, "
+                         "e.g. jax.make_mesh((jax.device_count(),), ('data',)).")
+    return mesh
+
+
+def _resolve_axis(axis_name: AxisNames | None, mesh: Any) -> AxisNames:
+    """``axis_name``, or the mesh's only axis."""
+    if axis_name is not None:
+        return axis_name
+    if len(mesh.axis_names) == 1:
+        return mesh.axis_names[0]
+    raise ValueError(
+        f"{_API}: the mesh has axes {tuple(mesh.axis_names)}; pass axis_name=, "
+        "the data axis whose ring SkipReduce skips (e.g. the replica axis over "
+        "slow links).")
+
+
+def _refuse_closed_over_batch(fun: Callable[..., Any], local_args: Sequence[Any],
+                              rows: set[int]) -> None:
+    """Refuses a loss that closes over the batch (called in the per-rank body).
+
+    A traced array of the caller's jit that ``fun`` closes over reaches
+    every rank whole: a closed-over batch would be computed in full on each
+    rank, and every rank would hold the same gradient. ``rows``: the global
+    batch arguments' leading dimensions (empty: no batch argument).
+    """
+    _, closed = jax.closure_convert(fun, *local_args)
+    closed = [c for c in closed if isinstance(c, jax.core.Tracer)]
+    for leaf in closed:
+        if not np.ndim(leaf) or (rows and leaf.shape[0] not in rows):
+            continue
+        raise ValueError(_CLOSED_OVER.format(
+            what=f"a traced array of shape {tuple(leaf.shape)}"
+            + (" with the batch's leading dimension" if rows else
+               ", and none of its arguments is a batch to split")))
 
 
 def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
@@ -350,6 +407,13 @@ def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -
     leaves = []
     for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
         vary = tuple(a for a in axes if a in varying_axes(leaf))
+        if per_rank and not np.ndim(leaf):
+            raise ValueError(
+                f"{_API}: skipreduce_jax.PerRank at "
+                f"{jax.tree_util.keystr(path) or 'the root'} holds a scalar. PerRank "
+                "is for per-example rows (a leading batch dimension), which come "
+                "back as every rank's rows in the global batch's order; return a "
+                "scalar unwrapped (it comes back as the mean over ranks).")
         if per_rank or not vary:
             leaves.append(leaf)
         elif jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -385,6 +449,15 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
     else:
         specs = [getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
                  for x in leaves]
+        others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+        if others and leaves and not any(_shards.spec_axes(s) for s in specs):
+            warnings.warn(
+                f"{_API}: the params' layout over {others} is unknown inside "
+                "jax.jit (Auto axes carry none), so params sharded over them are "
+                "gathered before the ring and their grads come back replicated: "
+                "the same values, more bytes. Pass param_specs= (e.g. the params' "
+                "part of jit's in_shardings; P() if they are replicated).",
+                stacklevel=3)
     out = []
     for leaf, spec in zip(leaves, specs, strict=True):
         named = set(_shards.spec_axes(spec))

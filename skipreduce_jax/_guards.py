@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax._checks import axis_size
 from skipreduce_jax._shards import spec_axes
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, vma_checked
 
 # Two seeds: two independent 32-bit checksums per leaf.
@@ -123,7 +124,7 @@ def _checksums(leaf: jax.Array) -> jax.Array:
                 dtype=jnp.uint32) for seed in _SEEDS])
 
 
-def leaf_agreement(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
+def leaf_agreement(tree: PyTree, axis_name: str | tuple[str, ...]) -> Any:
     """Per leaf: True if the leaf is bit-identical on every rank of the axis.
 
     Args:
@@ -148,7 +149,7 @@ def leaf_agreement(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, list(same))
 
 
-def check_replicated(tree: Any, axis_name: str | tuple[str, ...]) -> jax.Array:
+def check_replicated(tree: PyTree, axis_name: str | tuple[str, ...]) -> jax.Array:
     """True if every leaf of ``tree`` is bit-identical across ``axis_name``.
 
     Call inside ``shard_map``, e.g. every K steps on the params.
@@ -170,7 +171,7 @@ def check_replicated(tree: Any, axis_name: str | tuple[str, ...]) -> jax.Array:
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
-def assert_replicated(tree: Any, mesh: jax.sharding.Mesh,
+def assert_replicated(tree: PyTree, mesh: jax.sharding.Mesh,
                       axis_name: str | tuple[str, ...] | None = None) -> None:
     """Raises if any leaf of a replicated ``tree`` differs between devices.
 

@@ -1,26 +1,29 @@
-"""``optax.MultiSteps`` around ``skip_reduce``: sum locally, reduce once.
+"""``MultiSteps``: optax's gradient accumulation, one reduction per update.
 
 optax's ``MultiSteps`` runs the optimizer it wraps on every micro-step and
-keeps the result only on the last one (``jnp.where``); its accumulator is
-built by ``tx.init`` like the params, the same on every rank. Around
-``skip_reduce`` that would run the ring on every micro-step, and a
-replicated accumulator cannot hold each rank's own gradients. So, when the
-wrapped optimizer holds per-rank state (``skip_reduce``):
+keeps the result only on the last one; its accumulator is built by
+``tx.init`` like the params, the same on every rank. Around ``skip_reduce``
+that would run the ring on every micro-step, and a replicated accumulator
+cannot hold each rank's own gradients. :class:`MultiSteps` is optax's class
+with another ``update``, used as optax's is (a flax ``TrainState``, an
+``nnx.Optimizer``, ``make_train_step``):
 
 - ``acc_grads`` is per-rank state: one row per rank (a leading axis of size
   1 inside ``shard_map``, stacked along the data axes outside), placed by
   ``init_opt_state``, ``state_specs`` and ``data_parallel`` like the
   error-feedback residuals, in the params' layout over other mesh axes;
-- :func:`reduce_once` gives the ``MultiSteps`` object an ``update`` that
-  runs the wrapped optimizer, and so the ring, inside a ``lax.cond`` taken
+- the wrapped optimizer, and so the ring, runs inside a ``lax.cond`` taken
   on the micro-step that applies the update: one reduction per k
   micro-steps. The state is optax's ``MultiStepsState``, field for field,
   and each applied update is optax's for the mean of the ranks' gradients.
+
+A plain ``optax.MultiSteps`` around ``skip_reduce`` is refused where its
+state is built (``init_opt_state``), naming this class.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from skipreduce_jax._checks import check_int
 from skipreduce_jax._per_rank import per_rank_fields, per_rank_zeros
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
@@ -51,44 +55,91 @@ def place_accumulators(opt_state: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree_util.tree_map(place, opt_state, is_leaf=is_local_accumulator)
 
 
-def reduce_once(tx: Any, opt_state: Any, axes: tuple[str, ...], *, api: str) -> None:
-    """Gives ``tx``, a ``MultiSteps`` around ``skip_reduce``, its update.
-
-    Sets the ``update`` attribute of the ``optax.MultiSteps`` object itself,
-    so that every caller (a flax ``TrainState``, an ``nnx.Optimizer``, a
-    step of your own) uses it. Nothing happens if ``opt_state`` holds no
-    local accumulator.
+def check_owner(tx: Any, opt_state: Any, *, api: str) -> None:
+    """Refuses local accumulators that ``tx``'s own update cannot reach.
 
     Raises:
-      ValueError: if a local accumulator belongs to anything but ``tx``
-        itself (``.gradient_transformation()``, inside ``optax.chain``),
-        whose update cannot be reached.
+      ValueError: if ``opt_state`` holds a local accumulator and ``tx`` is not
+        a :class:`MultiSteps` whose own state it is (optax's class, or one made
+        by ``.gradient_transformation()`` or put inside ``optax.chain``).
     """
     nodes = [n for n in jax.tree_util.tree_leaves(opt_state, is_leaf=is_local_accumulator)
              if is_local_accumulator(n)]
     if not nodes:
         return
-    if isinstance(tx, optax.MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
-        tx.update = functools.partial(_update, tx, axes)
+    if isinstance(tx, MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
         return
+    if isinstance(tx, optax.MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
+        raise ValueError(
+            f"{api}: the optimizer is an optax.MultiSteps around skip_reduce. "
+            "optax's update would run the ring on every micro-step over a "
+            "replicated accumulator; use skipreduce_jax.MultiSteps, optax's class "
+            "with the same arguments and state, whose ranks accumulate their "
+            "local gradients and reduce once per update: "
+            "tx = skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k).")
     raise ValueError(
-        f"{api}: the optimizer holds an optax.MultiSteps around skip_reduce that "
-        "is not the optimizer itself (made by .gradient_transformation(), or "
-        "inside optax.chain). Each rank accumulates its local gradients, and "
-        "only the MultiSteps object's own update can reduce them once per "
-        "accumulated step: pass the optax.MultiSteps object as the optimizer, "
-        "e.g. tx = optax.MultiSteps(optax.chain(skip_reduce(...), ...), k), or "
+        f"{api}: the optimizer holds a MultiSteps around skip_reduce that is not "
+        "the optimizer itself (made by .gradient_transformation(), or inside "
+        "optax.chain). Each rank accumulates its local gradients, and only the "
+        "MultiSteps object's own update can reduce them once per accumulated "
+        "step: pass the MultiSteps object as the optimizer, e.g. tx = "
+        "skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k), or "
         "accumulate with make_train_step(..., microbatches=k).")
 
 
-def _update(ms: optax.MultiSteps, axes: tuple[str, ...], updates: Any,
-            state: optax.MultiStepsState, params: Any = None,
-            **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
+class MultiSteps(optax.MultiSteps):
+    """``optax.MultiSteps`` whose ranks accumulate locally and reduce once.
+
+    The same arguments, state (``optax.MultiStepsState``) and use as optax's
+    class; around ``skip_reduce`` (built with :func:`init_opt_state`) each
+    rank sums its own gradients and the wrapped optimizer, with its ring,
+    runs once per ``every_k_schedule`` micro-steps. Around anything else it
+    is optax's ``MultiSteps``.
+
+    Example:
+      >>> tx = MultiSteps(optax.chain(
+      ...     sr.skip_reduce("data", num_skip=0), optax.sgd(0.1)), 4)
+      >>> params = sr.replicate({"w": jnp.zeros(3)}, mesh)
+      >>> sr.init_opt_state(tx, params, mesh, "data").acc_grads["w"].shape
+      (8, 3)
+    """
+
+    def __init__(self, opt: optax.GradientTransformation,
+                 every_k_schedule: int | Callable[[jax.Array], jax.Array],
+                 *args: Any, **kwargs: Any):
+        if not callable(every_k_schedule):
+            check_int(every_k_schedule, "every_k_schedule", api="MultiSteps", minimum=1,
+                      allowed="a positive int (or a schedule: a function of the "
+                              "gradient step)")
+        super().__init__(opt, every_k_schedule, *args, **kwargs)
+
+    def update(self, updates: Any, state: optax.MultiStepsState, params: Any = None,
+               **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
+        """Optax's update, with local accumulators and one reduction per step."""
+        if not is_local_accumulator(state):
+            return super().update(updates, state, params, **extra_args)
+        return _update(self, updates, state, params, **extra_args)
+
+
+def _accumulator_axes(rows: list[jax.Array]) -> tuple[str, ...]:
+    """The data axes: those the per-rank accumulator rows vary over."""
+    axes = sorted(set().union(*(varying_axes(r) for r in rows))) if rows else []
+    if not axes:
+        raise ValueError(
+            "MultiSteps around skip_reduce: the accumulated gradients (acc_grads) "
+            "are not typed per rank. Call the update inside the library's steps "
+            "(make_train_step, data_parallel, skipreduce_jax.nnx) or a "
+            "jax.shard_map with check_vma=True, and build the state with "
+            "skipreduce_jax.init_opt_state(tx, params, mesh).")
+    return tuple(axes)
+
+
+def _update(ms: MultiSteps, updates: Any, state: optax.MultiStepsState,
+            params: Any = None, **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
     """``MultiSteps.update`` with local accumulators and one reduction per step."""
-    if not is_local_accumulator(state):
-        return optax.MultiSteps.update(ms, updates, state, params, **extra_args)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     rows = treedef.flatten_up_to(state.acc_grads)
+    axes = _accumulator_axes(rows)
     _check_rows(leaves, rows, axes)
     k_steps = ms._every_k_schedule(state.gradient_step)
     skip, skip_state = ms._should_skip_update_fn(updates, state.gradient_step, params)

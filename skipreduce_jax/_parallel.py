@@ -6,7 +6,7 @@ only (other mesh axes stay with the compiler). Arguments in
 ``batch_argnums`` are split over the data axes along their leading
 dimension; everything else is replicated, except per-rank state (fields a
 NamedTuple names in ``per_rank_fields``, e.g. error-feedback residuals,
-the accumulator of an ``optax.MultiSteps`` around ``skip_reduce``, and
+the accumulator of a ``MultiSteps`` around ``skip_reduce``, and
 :class:`PerRank` values), found anywhere in the arguments and outputs (an
 optax state, a flax ``TrainState``, an ``nnx.Optimizer``) and placed with a
 leading data-axis dimension, as :func:`state_specs` does. Host (numpy) and
@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
+from skipreduce_jax._count import counting_over
 from skipreduce_jax._guards import callback_error, host_checks_traced
 from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._step_context import step_body
@@ -503,7 +504,7 @@ class DataParallelStep:
             for i, value in zip(dynamic, in_tree.unflatten(local_flat),
                                 strict=True):
                 full[i] = value
-            with _shards.hints(local_flat, other):
+            with _shards.hints(local_flat, other), counting_over(axes):
                 out = self._step_fn(*full)
             with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
             found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]

@@ -197,7 +197,7 @@ def make_schedule(
         chunks_per_rank: int = 1,
         key: jax.Array | None = None,
         randomize: bool = True,
-        phase: Any = 0,
+        phase: jax.Array | int = 0,
 ) -> SkipSchedule:
     """Builds the schedule for one buffer.
 
@@ -280,7 +280,7 @@ class ScatterSchedule:
 def make_scatter_schedule(axis_size: int, *, num_skip: int,
                           key: jax.Array | None = None,
                           randomize: bool = True,
-                          phase: Any = 0) -> ScatterSchedule:
+                          phase: jax.Array | int = 0) -> ScatterSchedule:
     """Builds the schedule of a skipped reduce-scatter.
 
     Args:

@@ -20,6 +20,7 @@ from skipreduce_jax._buckets import plan_buckets
 from skipreduce_jax._collectives import summed_dtype, wire_dtypes
 from skipreduce_jax._selection import needs_params
 from skipreduce_jax._transform import _make_config, skip_reduce
+from skipreduce_jax._types import PyTree
 
 
 class CommStats(NamedTuple):
@@ -51,10 +52,10 @@ class CommStats(NamedTuple):
 
 
 def comm_stats(
-    grads: Any,
+    grads: PyTree,
     axis_size: int,
     *,
-    params: Any = None,
+    params: PyTree = None,
     **skip_reduce_kwargs: Any,
 ) -> CommStats:
     """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.

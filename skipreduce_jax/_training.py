@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._guards import leaf_agreement
-from skipreduce_jax._multisteps import place_accumulators, reduce_once
+from skipreduce_jax._multisteps import check_owner, place_accumulators
 from skipreduce_jax._parallel import (
     as_tuple,
     build_step,
@@ -54,12 +54,13 @@ from skipreduce_jax._parallel import (
 )
 from skipreduce_jax._per_rank import per_rank_leaves, per_rank_names
 from skipreduce_jax._transform import SkipReduceState
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
 AxisNames = str | tuple[str, ...]
 
 
-def to_varying(tree: Any, axis_name: AxisNames) -> Any:
+def to_varying(tree: PyTree, axis_name: AxisNames) -> PyTree:
     """Types ``tree`` as varying over ``axis_name`` (no data moves).
 
     Inside ``shard_map`` with ``check_vma=True``, the gradient with respect to
@@ -144,7 +145,7 @@ def local_grad(
     return wrapped
 
 
-def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
+def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
     Everything is replicated (``P()``) except per-rank fields: stored outside
@@ -170,7 +171,7 @@ def state_specs(opt_state: Any, axis_name: AxisNames = "data") -> Any:
                                   per_rank_names(opt_state))
 
 
-def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+def replicate(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Copies every leaf onto every device of ``mesh`` (``P()``).
 
     The copy never aliases ``tree``, so the step may donate it (``device_put``
@@ -182,8 +183,8 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
         lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
 
 
-def shard_params(params: Any, mesh: jax.sharding.Mesh,
-                 axis_name: AxisNames = "data") -> Any:
+def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
+                 axis_name: AxisNames = "data") -> PyTree:
     """Shards params over the data axis by rows: FSDP / ZeRO's layout.
 
     A leaf whose leading dimension divides by the axis size is split along
@@ -220,8 +221,8 @@ def shard_params(params: Any, mesh: jax.sharding.Mesh,
     return jax.tree_util.tree_map(place, params)
 
 
-def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
-                axis_name: AxisNames = "data") -> Any:
+def shard_batch(batch: PyTree, mesh: jax.sharding.Mesh,
+                axis_name: AxisNames = "data") -> PyTree:
     """Splits a batch's leading axis over ``axis_name``.
 
     A tuple splits it over several axes in order: ``("replica", "fsdp")``
@@ -239,8 +240,8 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh,
     return jax.tree_util.tree_map(lambda x: place_batch(x, mesh, axes), batch)
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: Any,
-                   mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> Any:
+def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
+                   mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> PyTree:
     """Runs ``tx.init`` so each part of the state lands where the step wants it.
 
     It also checks, with one tiny collective over the whole mesh, that every
@@ -248,22 +249,23 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     settings: a mismatch would train on silently wrong sums (or hang), so it
     is refused before the first step.
 
-    ``tx`` may be ``optax.MultiSteps(optax.chain(skip_reduce(...), ...),
-    k)``, as it is: each rank then accumulates its LOCAL gradients in
-    ``acc_grads`` (one row per rank, like the error-feedback residuals, in
-    the params' layout over other mesh axes) and the wrapped optimizer, ring
-    included, runs once per k micro-steps, so each micro-step sends 1/k of a
-    reduction's bytes. For that this sets the ``update`` of the
-    ``MultiSteps`` object itself (a flax ``TrainState``, an
-    ``nnx.Optimizer`` or your own step then call it): the state is optax's
-    ``MultiStepsState``, and each applied update is optax's for the mean of
-    the ranks' gradients. A ``should_skip_update_fn`` sees each rank's
+    ``tx`` may be :class:`MultiSteps` (optax's class with a local
+    accumulator): ``MultiSteps(optax.chain(skip_reduce(...), ...), k)``.
+    Each rank then accumulates its LOCAL gradients in ``acc_grads`` (one row
+    per rank, like the error-feedback residuals, in the params' layout over
+    other mesh axes) and the wrapped optimizer, ring included, runs once per
+    k micro-steps, so each micro-step sends 1/k of a reduction's bytes. A
+    flax ``TrainState``, an ``nnx.Optimizer`` or your own step call its
+    ``update`` as optax's; the state is optax's ``MultiStepsState``, and
+    each applied update is optax's for the mean of the ranks' gradients.
+    optax's own ``MultiSteps`` around ``skip_reduce`` is refused, naming
+    :class:`MultiSteps`. A ``should_skip_update_fn`` sees each rank's
     gradient; a micro-step is skipped on every rank if any rank's says so,
     and ``skip_state`` holds the largest value over the ranks.
 
     Args:
-      tx: the optimizer (containing :func:`skip_reduce`), or an
-        ``optax.MultiSteps`` around it.
+      tx: the optimizer (containing :func:`skip_reduce`), or a
+        :class:`MultiSteps` around it.
       params: replicated params.
       mesh: the device mesh.
       axis_name: the data axis, as for :func:`state_specs`.
@@ -272,12 +274,12 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
       The state, placed according to :func:`state_specs`.
 
     Raises:
-      ValueError: if the seed or the settings differ between devices, or an
-        ``optax.MultiSteps`` around ``skip_reduce`` is not ``tx`` itself
-        (made by ``.gradient_transformation()``, inside ``optax.chain``).
+      ValueError: if the seed or the settings differ between devices, or a
+        ``MultiSteps`` around ``skip_reduce`` is optax's class or not ``tx``
+        itself (made by ``.gradient_transformation()``, inside ``optax.chain``).
 
     Example:
-      >>> tx = optax.MultiSteps(optax.chain(
+      >>> tx = sr.MultiSteps(optax.chain(
       ...     sr.skip_reduce("data", num_skip=0), optax.sgd(0.1)), 4)
       >>> params = replicate({"w": jnp.zeros(3)}, mesh)
       >>> opt_state = init_opt_state(tx, params, mesh, "data")
@@ -298,12 +300,12 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any,
     opt_state = build_step(local_init, mesh, axes, batch_argnums=(),
                            static_argnums=(), donate_argnums=(),
                            api="init_opt_state", manual_axes="unsharded")(params)
-    reduce_once(tx, opt_state, axes, api="init_opt_state")
+    check_owner(tx, opt_state, api="init_opt_state")
     check_settings_agree(opt_state, mesh)
     return opt_state
 
 
-def check_settings_agree(opt_state: Any, mesh: jax.sharding.Mesh) -> None:
+def check_settings_agree(opt_state: PyTree, mesh: jax.sharding.Mesh) -> None:
     """Raises if the :func:`skip_reduce` seed or settings differ by device.
 
     Args:
@@ -361,7 +363,7 @@ def make_train_step(
     equal pieces, averages their local gradients (a ``lax.scan``) and then
     runs ``tx`` once: gradient accumulation with one reduction per step.
     Or accumulate over steps, one micro-batch per call, with ``tx =
-    optax.MultiSteps(optax.chain(skip_reduce(...), ...), k)`` (see
+    MultiSteps(optax.chain(skip_reduce(...), ...), k)`` (see
     :func:`init_opt_state`): one reduction per k calls.
 
     FSDP (params placed by :func:`shard_params`, ``skip_reduce(...,
@@ -438,7 +440,7 @@ def make_train_step(
         whole = jax.tree_util.tree_map(
             lambda p: _stand_in(p, axes) if per_leaf else _gather_block(p, axes), params)
         loss, grads = local_value_and_grads(whole, params, batch)
-        reduce_once(tx, opt_state, axes, api="make_train_step")
+        check_owner(tx, opt_state, api="make_train_step")
         updates, opt_state = tx.update(grads, opt_state, params)
         _check_reduced(updates, axes, params)
         return (optax.apply_updates(params, updates), opt_state,

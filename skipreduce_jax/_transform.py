@@ -21,6 +21,7 @@ import dataclasses
 import math
 import warnings
 import zlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,8 @@ from skipreduce_jax._schedule import (
     skip_ratio_to_num_skip,
 )
 from skipreduce_jax._selection import check_selective, skippable
+from skipreduce_jax._types import DTypeLike, PyTree
+from skipreduce_jax._vma import pmean_nonempty
 
 _API = "skip_reduce"
 
@@ -145,7 +148,7 @@ def skip_reduce(
     seed: int = 0,
     randomize: bool = True,
     balanced: bool = True,
-    selective: Any = None,
+    selective: PyTree | Callable[[PyTree], PyTree] | None = None,
     min_size: int = 100_000,
     warmup_steps: int = 0,
     error_feedback: bool = False,
@@ -153,11 +156,11 @@ def skip_reduce(
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: Any = None,
+    accumulate_dtype: DTypeLike | None = None,
     check_finite: bool = False,
     params_sharded: bool = False,
     verify_sync: bool = False,
-    comm_dtype: Any = None,
+    comm_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
@@ -234,7 +237,8 @@ def skip_reduce(
         send the wider dtype; the ring's gather sends the gradients' own).
         A leaf wider than it is summed in its own dtype.
       check_finite: one tiny extra all-reduce per step: if any rank's local
-        gradient holds a NaN or Inf, every element of the update becomes NaN
+        gradient holds a NaN or Inf (or, with ``comm_dtype=jnp.float16``, a
+        sum overflowed the wire), every element of the update becomes NaN
         on every rank. Without it a non-finite value reaches only the
         elements where its rank was summed, and vanishes where it was
         left out. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
@@ -265,6 +269,13 @@ def skip_reduce(
         ``skip_psum``). Leaves that take the full all-reduce (``min_size``,
         ``selective``, warm-up, ``num_skip=0``) are averaged by ``lax.pmean``
         as without it. It may not be wider than any skipped gradient.
+        float16 can overflow where float32 would not (a sum beyond 65504
+        crosses as Inf): then the update of every skipped leaf is NaN, on
+        every rank alike, never Inf in some elements; chain
+        ``optax.apply_if_finite(opt, n)`` after ``skip_reduce`` to skip such
+        steps (its state counts them), and add ``check_finite=True`` to make
+        the whole update NaN. bfloat16 has float32's range and is never
+        checked.
 
     BatchNorm: with batch statistics averaged over the data axis, a skipped
     leaf that feeds a BatchNorm (the conv or dense layer before it)
@@ -558,8 +569,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     out = _merge(skippable, reduced, rest)
 
     if config.check_finite:
-        # One flag for all ranks: True when every rank's gradient is finite.
-        finite = lax.pmin(_all_finite(leaves).astype(jnp.int32), axes) > 0
+        # One flag for all ranks: True when every rank's gradient is finite
+        # (and, on a float16 wire, every rank's update: no sum overflowed).
+        finite = _all_finite(leaves)
+        if coll.can_overflow(config.comm_dtype):
+            finite = finite & _all_finite(out)
+        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
     new_state = state._replace(count=state.count + 1)
     if residuals is not None:
@@ -689,7 +704,7 @@ def _full_mean(leaves: list[jax.Array], scattered: list[bool],
     axes = _axes(config)
     wide = [g.astype(coll.summed_dtype(g.dtype, config.accumulate_dtype))
             for g in leaves]
-    ar = lax.pmean([w for w, c in zip(wide, scattered) if not c], axes)
+    ar = pmean_nonempty([w for w, c in zip(wide, scattered) if not c], axes)
     n = math.prod(checks.axis_size(a, api=_API) for a in axes) if any(scattered) else 1
     rs = [coll.full_psum_scatter(w, config.axis_name, config.inner_axis) / n
           for w, c in zip(wide, scattered) if c]

@@ -28,6 +28,8 @@ Requires ``orbax-checkpoint`` (``pip install skipreduce_jax[checkpoint]``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
@@ -35,7 +37,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from skipreduce_jax._transform import SkipReduceState
+from skipreduce_jax import _checks as checks
+from skipreduce_jax._per_rank import per_rank_names
+from skipreduce_jax._transform import SkipReduceState, _Config
+from skipreduce_jax._types import PyTree
 
 __all__ = ["latest_step", "restore", "save"]
 
@@ -136,8 +141,8 @@ def _settings(opt_state: Any) -> dict[str, Any]:
 def save(
     directory: str | os.PathLike[str],
     step: int,
-    params: Any,
-    opt_state: Any,
+    params: PyTree,
+    opt_state: PyTree,
     *,
     max_to_keep: int | None = None,
 ) -> None:
@@ -150,19 +155,24 @@ def save(
     Args:
       directory: the checkpoint directory (created if missing); step
         ``step`` goes into its subdirectory ``str(step)``.
-      step: the training step, larger than every step already saved there.
+      step: the training step, a non-negative int larger than every step
+        already saved there.
       params: the params (e.g. replicated on the mesh).
       opt_state: the optimizer state, as :func:`skipreduce_jax.init_opt_state`
         and the train step place it (residuals sharded over the data axis).
       max_to_keep: keep only this many newest checkpoints (None: all).
 
     Raises:
-      ValueError: if ``step`` is not newer than the latest saved step.
+      TypeError: if ``step`` is not an int (7.9 would be written as 7).
+      ValueError: if ``step`` is negative (no step of a directory lists
+        it) or not newer than the latest saved step.
 
     Example:
       >>> save("/tmp/run1", 100, params, opt_state)  # doctest: +SKIP
     """
-    step = int(step)
+    step = checks.check_int(step, "step", api="checkpoint.save", minimum=0,
+                            what="(the training step, as the directory's "
+                            "subdirectory name)")
     with _manager(directory, create=True, max_to_keep=max_to_keep) as manager:
         latest = manager.latest_step()
         saved = manager.save(step, args=ocp.args.Composite(**{
@@ -210,6 +220,99 @@ def _abstract(tree: Any, name: str) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
+# The settings the fingerprint compares: all of skip_reduce's but these.
+_NOT_COMPARED = ("seed", "selective", "verify_sync")
+_COMPARED = [f.name for f in dataclasses.fields(_Config)
+             if f.name not in _NOT_COMPARED]
+_COMPARED_SETTINGS = f"{', '.join(_COMPARED[:-1])} and {_COMPARED[-1]}"
+
+
+def _key_name(key: Any) -> str:
+    """One step of a tree path, as orbax's metadata tree and ours both name it."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    """Each leaf's shape and its path written out, keyed by its path's names."""
+    return {tuple(map(_key_name, path)): (tuple(getattr(leaf, "shape", ())),
+                                          jax.tree_util.keystr(path))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_arrays(saved: Any, target: Any, name: str, step: int,
+                  per_rank: dict[tuple[str, ...], str], fix: str) -> None:
+    """Refuses a target tree whose leaves or shapes are not the checkpoint's.
+
+    Args:
+      saved: the item's metadata (a tree of orbax ``ArrayMetadata``).
+      target: what :func:`restore` would read it into (``_without_empty``).
+      name: ``"params_like"`` or ``"opt_state_like"``.
+      step: the checkpoint step, for the message.
+      per_rank: the per-rank field name of each per-rank leaf, by path.
+      fix: what the message tells the caller to do.
+    """
+    saved = _shapes(getattr(saved, "tree", saved))
+    ours = _shapes(target)
+    problems = []
+    for path, (shape, where) in ours.items():
+        if path not in saved:
+            problems.append(f"{name}{where} is not in the checkpoint")
+            continue
+        stored = saved[path][0]
+        if stored == shape:
+            continue
+        field = per_rank.get(path)
+        if field and stored[1:] == shape[1:]:
+            raise ValueError(
+                f"restore: {name}{where} is per-rank state ({field}, one row "
+                f"per rank): checkpoint step {step} has rows for {stored[0]} "
+                f"ranks, {name} for {shape[0]}. Per-rank state cannot be split "
+                "again: resume on the same number of data-parallel ranks, with "
+                f"{name} built by skipreduce_jax.init_opt_state.")
+        problems.append(f"{name}{where} has shape {shape}, the checkpoint "
+                        f"{stored}")
+    problems += [f"the checkpoint holds {where}, which {name} lacks"
+                 for path, (_, where) in saved.items() if path not in ours]
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise ValueError(
+            f"restore: checkpoint step {step} does not fit {name}: "
+            f"{'; '.join(problems[:4])}{more}. {fix}")
+
+
+def _read(manager: ocp.CheckpointManager, step: int, directory: Any,
+          what: str, **items: Any) -> Any:
+    """``manager.restore`` of ``items``, with errors that name the fix."""
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**items))
+    except KeyError as e:
+        raise FileNotFoundError(
+            f"restore: checkpoint step {step} in {os.fspath(directory)!r} has "
+            f"no {what} ({e.args[0] if e.args else e}): it was not written by "
+            "skipreduce_jax.checkpoint.save, or a part of it was deleted. "
+            "Restore another step (step=...).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"restore: the {what} of checkpoint step {step} in "
+            f"{os.fspath(directory)!r} is damaged (not valid JSON: {e}). "
+            "Restore another step (step=...).") from None
+    except ValueError as e:
+        raise _unreadable(e, what, step, directory) from None
+
+
+def _unreadable(error: Exception, what: str, step: int, directory: Any
+                ) -> ValueError:
+    """The error for files orbax or tensorstore could not read."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ValueError(
+        f"restore: the {what} of checkpoint step {step} in "
+        f"{os.fspath(directory)!r} could not be read ({first[:300]}): its "
+        "files are damaged or incomplete. Restore another step (step=...).")
+
+
 def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                     step: int) -> None:
     """Refuses a checkpoint whose skip_reduce settings differ from the tx's."""
@@ -240,10 +343,8 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
                 f"restore: the skip_reduce settings of checkpoint step {step} "
                 f"(fingerprint {entry['fingerprint']:#010x} at {where}) differ "
                 f"from those of the optimizer in opt_state_like (fingerprint "
-                f"{want:#010x}). Build skip_reduce with the same num_skip/"
-                "skip_ratio, randomize, balanced, min_size, warmup_steps, "
-                "error_feedback, exact_radial, inner_axis, bucket_bytes, "
-                "accumulate_dtype and check_finite as the run that saved it.")
+                f"{want:#010x}). Build skip_reduce with the same "
+                f"{_COMPARED_SETTINGS} as the run that saved it.")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
             raise ValueError(
@@ -267,8 +368,8 @@ def _check_settings(saved: dict[str, Any], opt_state_like: Any,
 def restore(
     directory: str | os.PathLike[str],
     *,
-    params_like: Any,
-    opt_state_like: Any,
+    params_like: PyTree,
+    opt_state_like: PyTree,
     step: int | None = None,
 ) -> tuple[int, Any, Any]:
     """Reads a checkpoint written by :func:`save`.
@@ -292,11 +393,17 @@ def restore(
       ``(step, params, opt_state)``.
 
     Raises:
-      FileNotFoundError: if the directory or the step does not exist.
+      FileNotFoundError: if the directory or the step does not exist, or a
+        part of the step (an item) is missing.
       ValueError: if a ``skip_reduce`` state's settings fingerprint differs
         from the one in ``opt_state_like`` (the optimizer was built with
         other settings), or its residuals are for another number of ranks
-        or other leaves (another ``selective``).
+        or other leaves (another ``selective``); if ``params_like`` or
+        ``opt_state_like`` has other leaves or shapes than the checkpoint
+        (each named by path; per-rank state such as ``MultiSteps``'
+        ``acc_grads`` for another number of ranks says so); if the step's
+        files are damaged (a truncated array, a settings record that is not
+        JSON).
 
     Example:
       >>> step, params, opt_state = restore(
@@ -311,17 +418,48 @@ def restore(
             if step is None:
                 raise FileNotFoundError(
                     f"no checkpoint in {os.fspath(directory)!r}.")
-        step = int(step)
+        step = checks.check_int(step, "step", api="checkpoint.restore",
+                                minimum=0, allow_none=True)
         if step not in manager.all_steps():
             raise FileNotFoundError(
                 f"no checkpoint step {step} in {os.fspath(directory)!r} "
                 f"(steps: {list(manager.all_steps())}).")
-        saved = manager.restore(step, args=ocp.args.Composite(**{
-            _SETTINGS: ocp.args.JsonRestore()}))[_SETTINGS]
+        saved = _read(manager, step, directory, "skip_reduce settings record",
+                      **{_SETTINGS: ocp.args.JsonRestore()})[_SETTINGS]
+        if not isinstance(saved, dict) or not isinstance(
+                saved.get("skip_reduce"), list):
+            raise ValueError(
+                f"restore: the skip_reduce settings record of checkpoint step "
+                f"{step} in {os.fspath(directory)!r} is damaged (no "
+                "'skip_reduce' list). Restore another step (step=...).")
         _check_settings(saved, opt_state_like, step)
-        restored = manager.restore(step, args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardRestore(_without_empty(params_target)),
-            _OPT_STATE: ocp.args.StandardRestore(_without_empty(opt_target)),
-        }))
+        targets = {_PARAMS: _without_empty(params_target),
+                   _OPT_STATE: _without_empty(opt_target)}
+        try:
+            metadata = manager.item_metadata(step)
+        except ValueError as e:
+            raise _unreadable(e, "arrays", step, directory) from None
+        stored = {item: metadata.get(item) for item in targets}
+        for item, tree in stored.items():
+            if tree is None:
+                raise FileNotFoundError(
+                    f"restore: checkpoint step {step} in "
+                    f"{os.fspath(directory)!r} has no {item} arrays: a part of "
+                    "it was deleted or never written. Restore another step "
+                    "(step=...).")
+        ranks = {tuple(map(_key_name, path)): field for path, field in
+                 jax.tree_util.tree_flatten_with_path(
+                     per_rank_names(opt_state_like))[0] if field}
+        _check_arrays(stored[_PARAMS], targets[_PARAMS], "params_like", step, {},
+                      "Pass params_like built like the params of the run that "
+                      "saved it (the same model and shapes).")
+        _check_arrays(stored[_OPT_STATE], targets[_OPT_STATE], "opt_state_like",
+                      step, ranks,
+                      "Build opt_state_like with the optimizer of the run that "
+                      "saved it (the same chain, MultiSteps and settings), "
+                      "with skipreduce_jax.init_opt_state.")
+        restored = _read(manager, step, directory, "arrays", **{
+            item: ocp.args.StandardRestore(target)
+            for item, target in targets.items()})
     return (step, _with_empty(restored[_PARAMS], params_target),
             _with_empty(restored[_OPT_STATE], opt_target))

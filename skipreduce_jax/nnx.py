@@ -47,8 +47,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._grad import mean_over_ranks
-from skipreduce_jax._grad import value_and_grad as _value_and_grad
+from skipreduce_jax._grad import build, mean_over_ranks
 from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import (
     AxisNames,
@@ -234,9 +233,12 @@ def value_and_grad(
         # pure(params, others, *args): the loss's argument i is at i + 1.
         batch = (tuple(range(2, len(args) + 2)) if given is None
                  else tuple(i + 1 for i in given))
-        (loss, (aux, rest)), grads = _value_and_grad(
-            pure, mesh, axis_name, step=step, has_aux=True, batch_argnums=batch,
-            param_specs=param_specs, **skip_options)(params, others, *args)
+        (loss, (aux, rest)), grads = build(
+            pure, mesh, axis_name, step=step, has_aux=True, argnums=0,
+            batch_argnums=batch, param_specs=param_specs, microbatches=1,
+            skip_options=skip_options,
+            describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)")(
+                params, others, *args)
         nnx.update(model, rest)
         return ((loss, aux) if has_aux else loss), grads
 
@@ -264,9 +266,10 @@ def init_optimizer(
 
     Args:
       model: the NNX Module.
-      tx: the optimizer, ``skip_reduce`` first; or an ``optax.MultiSteps``
-        around it (each rank accumulates its local gradients, reduced once
-        per k micro-steps; see :func:`skipreduce_jax.init_opt_state`).
+      tx: the optimizer, ``skip_reduce`` first; or a
+        :class:`skipreduce_jax.MultiSteps` around it (each rank accumulates
+        its local gradients, reduced once per k micro-steps; see
+        :func:`skipreduce_jax.init_opt_state`).
       mesh: the device mesh.
       axis_name: the data axis, as for :func:`data_parallel`.
       wrt: the filter of the variables to optimize.

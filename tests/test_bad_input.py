@@ -223,6 +223,29 @@ def test_cost_fit_names_a_file_that_is_not_json(tmp_path, capsys):
     assert re.search(r"bad\.json is not valid JSON .*Pass a link model", err), err
 
 
+@pytest.mark.parametrize("wire", ["int8", "uint8", "int32"])
+def test_cost_predict_refuses_a_comm_dtype_the_library_refuses(wire, capsys):
+    with pytest.raises(TypeError, match="not a floating-point dtype"):
+        sr.skip_reduce("data", num_skip=1, comm_dtype=wire)
+    with pytest.raises(SystemExit) as exited:
+        cost_main(["predict", "--n", "8", "--size", "64M", "--gbit", "10",
+                   "--comm-dtype", wire])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"argument --comm-dtype: '{wire}': the library refuses it" in err
+            and "not a floating-point dtype" in err
+            and "e.g. bfloat16 or float16, or leave --comm-dtype out" in err), err
+
+
+def test_cost_predict_prices_the_wires_the_library_accepts(capsys):
+    outputs = []
+    for wire in ("bfloat16", "bf16", "float16"):
+        cost_main(["predict", "--n", "8", "--size", "64M", "--gbit", "10",
+                   "--comm-dtype", wire])
+        outputs.append(capsys.readouterr().out)
+    assert len(set(outputs)) == 1 and "32 MB per rank" in outputs[0], outputs
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "ten"])
 def test_launch_refuses_a_timeout_that_is_not_seconds(value, capsys):
     with pytest.raises(SystemExit) as exited:

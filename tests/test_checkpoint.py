@@ -271,3 +271,108 @@ def test_resume_across_two_processes(tmp_path):
         for p in range(2):
             assert f"[p{p}] RESULT {mode} ok" in proc.stdout, proc.stdout
     assert checkpoint.latest_step(directory) == 2 * RESUME_SCRIPT_T
+
+
+# -- errors that say what differs and the fix -------------------------------------
+
+@pytest.mark.parametrize("step, error, match", [
+    (7.9, TypeError, r"checkpoint\.save: step=7\.9 must be a non-negative int"),
+    (-1, ValueError, r"checkpoint\.save: step=-1 must be a non-negative int"),
+    (True, TypeError, r"checkpoint\.save: step=True must be"),
+], ids=["float", "negative", "bool"])
+def test_save_refuses_a_step_that_is_not_a_non_negative_int(mesh, tmp_path, step,
+                                                           error, match):
+    _, params, opt_state, _ = _fresh(mesh, error_feedback=False)
+    with pytest.raises(error, match=match):
+        checkpoint.save(tmp_path, step, params, opt_state)
+    assert checkpoint.latest_step(tmp_path) is None and not any(tmp_path.iterdir())
+    checkpoint.save(tmp_path, np.int64(7), params, opt_state)  # numpy ints are ints
+    assert checkpoint.latest_step(tmp_path) == 7
+
+
+def _placed(mesh, tree):
+    return sr.replicate(tree, mesh)
+
+
+def test_restore_names_the_leaves_that_differ(mesh, uninterrupted):
+    directory = uninterrupted[0]
+    _, params, opt_state, _ = _fresh(mesh)
+    other_shape = _placed(mesh, {"w": jnp.zeros((16, 32)), "b": jnp.zeros(64)})
+    with pytest.raises(ValueError, match=r"^restore: checkpoint step 4 does not fit "
+                       r"params_like: params_like\['w'\] has shape \(16, 32\), the "
+                       r"checkpoint \(16, 64\)\. Pass params_like built like the "
+                       r"params of the run that saved it") as raised:
+        checkpoint.restore(directory, params_like=other_shape, opt_state_like=opt_state)
+    assert "strict=False" not in str(raised.value)
+    other_tree = _placed(mesh, {"w": jnp.zeros((16, 64)), "b": jnp.zeros(64),
+                                "c": jnp.zeros(3)})
+    with pytest.raises(ValueError, match=r"params_like\['c'\] is not in the "
+                       r"checkpoint") as raised:
+        checkpoint.restore(directory, params_like=other_tree, opt_state_like=opt_state)
+    assert "partial_restore" not in str(raised.value)
+    tx = optax.chain(sr.skip_reduce("data", num_skip=5, seed=7, min_size=0,
+                                    warmup_steps=2, error_feedback=True),
+                     optax.sgd(0.05, momentum=0.9))
+    with pytest.raises(ValueError, match=r"does not fit opt_state_like: "
+                       r"opt_state_like\[1\]\[0\]\.trace\['b'\] is not in the "
+                       r"checkpoint.*Build opt_state_like with the optimizer of the "
+                       r"run that saved it") as raised:
+        checkpoint.restore(directory, params_like=params,
+                           opt_state_like=sr.init_opt_state(tx, params, mesh, "data"))
+    assert "partial_restore" not in str(raised.value)
+
+
+def test_restore_where_only_comm_dtype_changed_names_it(mesh, uninterrupted):
+    tx = optax.chain(sr.skip_reduce("data", num_skip=5, seed=7, min_size=0,
+                                    warmup_steps=2, error_feedback=True,
+                                    comm_dtype=jnp.bfloat16), optax.adam(0.05))
+    params = sr.replicate(_init_params(0), mesh)
+    with pytest.raises(ValueError, match=r"settings of checkpoint step 4 .* differ.*"
+                       r"the same .*accumulate_dtype, check_finite, params_sharded "
+                       r"and comm_dtype as the run that saved it"):
+        checkpoint.restore(uninterrupted[0], params_like=params,
+                           opt_state_like=sr.init_opt_state(tx, params, mesh, "data"))
+
+
+def test_restore_of_multisteps_on_another_number_of_ranks(mesh, tmp_path):
+    # acc_grads holds one row per rank, like the residuals the settings record.
+    def state(mesh):
+        tx = optax.MultiSteps(optax.chain(sr.skip_reduce(
+            "data", num_skip=1, min_size=0), optax.sgd(0.1)), 2)
+        params = sr.replicate(_init_params(0), mesh)
+        return params, sr.init_opt_state(tx, params, mesh, "data")
+
+    checkpoint.save(tmp_path, 1, *state(mesh))
+    small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    params, opt_state = state(small)
+    with pytest.raises(ValueError, match=r"^restore: opt_state_like\.acc_grads\['b'\] "
+                       r"is per-rank state \(acc_grads, one row per rank\): "
+                       r"checkpoint step 1 has rows for 8 ranks, opt_state_like for "
+                       r"4\..*resume on the same number of data-parallel ranks"):
+        checkpoint.restore(tmp_path, params_like=params, opt_state_like=opt_state)
+
+
+@pytest.mark.parametrize("damage, error, match", [
+    ("truncate", ValueError, r"^restore: the arrays of checkpoint step 4 in .* could "
+     r"not be read \(.*\): its files are damaged or incomplete\. Restore another step"),
+    ("settings", ValueError, r"^restore: the skip_reduce settings record of checkpoint "
+     r"step 4 in .* is damaged \(not valid JSON: .*\)\. Restore another step"),
+    ("missing", FileNotFoundError, r"^restore: checkpoint step 4 in .* has no "
+     r"opt_state arrays.*Restore another step"),
+], ids=["truncated_array", "damaged_settings", "missing_item"])
+def test_restore_of_a_damaged_checkpoint(mesh, uninterrupted, tmp_path, damage,
+                                         error, match):
+    directory = tmp_path / "damaged"
+    shutil.copytree(uninterrupted[0], directory)
+    step = directory / str(T)
+    if damage == "truncate":
+        for path in (step / "params").rglob("*"):
+            if path.is_file() and path.parent.name == "d":
+                path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    elif damage == "settings":
+        (step / "skip_reduce" / "metadata").write_text('{"skip_reduce": [')
+    else:
+        shutil.rmtree(step / "opt_state")
+    _, params, opt_state, _ = _fresh(mesh)
+    with pytest.raises(error, match=match):
+        checkpoint.restore(directory, params_like=params, opt_state_like=opt_state)

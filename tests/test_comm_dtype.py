@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import bit_inputs, line_mesh, per_rank, popcount
 from jax import lax
@@ -278,3 +279,78 @@ def test_inner_axis_sums_whole_hosts(randomize):
         per_host = np.stack([(sums[0, 0] >> (h * local)) & 3 for h in range(hosts)])
         assert np.all((per_host == 0) | (per_host == 3))
         assert np.all((per_host == 3).sum(0) == hosts - k)
+
+
+# -- the float16 wire's overflow rule ------------------------------------------------
+
+def _overflowing(n=8, size=512, value=2e4):
+    """``value`` per rank in the first 64 elements, 1 elsewhere.
+
+    2e4: the ring's partial sums of 4 ranks or more pass float16's 65504.
+    """
+    x = np.ones((n, size), np.float32)
+    x[:, :64] = value
+    return x
+
+
+@pytest.mark.parametrize("gather", ["native", "ring"])
+def test_float16_overflow_makes_the_whole_sum_nan_on_every_rank(gather):
+    x = _overflowing()
+
+    def f(v, comm):
+        kw = dict(key=jax.random.key(0), gather=gather, comm_dtype=comm)
+        return (sr.ring_psum(v, "i", gather=gather, comm_dtype=comm),
+                sr.skip_psum(v, "i", num_skip=3, **kw),
+                sr.skip_pmean(v, "i", num_skip=3, **kw))
+
+    for out in per_rank(lambda v: f(v, jnp.float16), x, n=8):
+        assert np.isnan(out).all()  # not Inf in the first 64 elements only
+    ring, skipped, mean = per_rank(lambda v: f(v, BF16), x, n=8)
+    np.testing.assert_allclose(ring[:, :64], 16e4, rtol=8 * EPS[BF16])
+    np.testing.assert_array_equal(ring[:, 64:], 8.0)
+    assert np.isfinite(skipped).all() and np.isfinite(mean).all()
+
+
+@pytest.mark.parametrize("randomize", [True, False])
+def test_float16_overflow_in_one_block_makes_every_rank_block_nan(randomize):
+    # Only block 0 (rows 0..7) overflows; every rank's block comes back NaN.
+    x = np.ones((8, 64, 4), np.float32)
+    x[:, :8] = 2e4 if not randomize else 7e4  # Random sends single pieces
+
+    def f(v, comm):
+        return sr.skip_psum_scatter(v, "i", key=jax.random.key(1),
+                                    num_skip=0 if not randomize else 2,
+                                    randomize=randomize, comm_dtype=comm)
+
+    assert np.isnan(per_rank(lambda v: f(v, jnp.float16), x, n=8)).all()
+    assert np.isfinite(per_rank(lambda v: f(v, BF16), x, n=8)).all()
+
+
+def test_skip_reduce_on_an_overflowing_float16_wire():
+    x = _overflowing(value=3e4)  # k = 4: partial sums of 3 ranks are sent
+    params = np.zeros(512, np.float32)
+
+    def f(g, params, comm, check_finite):
+        tx = sr.skip_reduce("i", num_skip=4, min_size=100, comm_dtype=comm,
+                            check_finite=check_finite)
+        guarded = optax.chain(tx, optax.apply_if_finite(optax.sgd(1.0), 3))
+        updates, state = guarded.update(
+            {"w": g, "b": g[:8]}, guarded.init({"w": params, "b": params[:8]}))
+        return (tx.update({"w": g, "b": g[:8]},
+                          tx.init({"w": params, "b": params[:8]}))[0],
+                updates, state[1].notfinite_count)
+
+    # The skipped leaf is NaN everywhere, "b" (full all-reduce) as without
+    # a wire; check_finite makes every element NaN; apply_if_finite skips
+    # the step on every rank and counts it.
+    for check_finite in (False, True):
+        out, skipped, bad = per_rank(
+            lambda g, p, c=check_finite: f(g, p, jnp.float16, c), x, n=8,
+            replicated_args=(params,))
+        assert np.isnan(out["w"]).all()
+        assert np.isnan(out["b"]).all() == check_finite
+        np.testing.assert_array_equal(skipped["w"], 0.0)
+        assert (bad == 1).all()
+    out, _, bad = per_rank(lambda g, p: f(g, p, BF16, True), x, n=8,
+                           replicated_args=(params,))
+    assert np.isfinite(out["w"]).all() and (bad == 0).all()

@@ -1,4 +1,4 @@
-"""The API reference names every public name, and the pages name nothing removed."""
+"""The API reference names every public name, links resolve, and pages name nothing removed."""
 
 import importlib
 import inspect
@@ -16,8 +16,14 @@ MODULES = ["skipreduce_jax", "skipreduce_jax.nnx", "skipreduce_jax.contrib",
 RETIRED = ["control_variate", "rank_deviation", "NonIIDWarning", "MonitorState",
            "_monitor.py", "monitor_cost.py", "random+cv"]
 
-# An entry of an API page: an autodoc directive or a hand-written ``py:`` one.
+# An entry of an API page: an autodoc directive, a hand-written ``py:`` one,
+# or a line of an ``autosummary`` table (each gets a page of its own).
 ENTRY = re.compile(r"^\.\. (?:auto\w+|py:\w+):: (skipreduce_jax[\w.]*)\s*$", re.M)
+SUMMARY = re.compile(r"^\.\. autosummary::\n((?:   .*\n|\n)+)", re.M)
+# A markdown link whose target is not a URL: [text](path#anchor).
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md",
+         *(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.relative_to(ROOT).parts)]
 
 
 def public_names(module_name: str) -> set[str]:
@@ -32,7 +38,22 @@ def public_names(module_name: str) -> set[str]:
 
 
 def documented() -> set[str]:
-    return {name for page in API_PAGES for name in ENTRY.findall(page.read_text())}
+    names = set()
+    for page in API_PAGES:
+        text = page.read_text()
+        names |= set(ENTRY.findall(text))
+        for block in SUMMARY.findall(text):
+            names |= {line.strip() for line in block.splitlines()
+                      if line.strip().startswith("skipreduce_jax")}
+    return names
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The heading anchors MyST gives a page (``myst_heading_anchors``), and explicit labels."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    return slugs | set(re.findall(r"^\(([\w-]+)\)=$", text, flags=re.M))
 
 
 @pytest.mark.parametrize("module_name", MODULES)
@@ -57,3 +78,29 @@ def test_no_page_mentions_what_was_retired():
         text = page.read_text()
         found = [name for name in RETIRED if name in text]
         assert not found, f"{page.relative_to(ROOT)} mentions {found}"
+
+
+def test_every_api_entry_has_a_page_of_its_own():
+    """Autosummary generates a page per name: no name is documented inline twice."""
+    for page in API_PAGES:
+        text = page.read_text()
+        assert not re.search(r"^\.\. auto(function|class|exception):: ", text, re.M), page.name
+        for block in SUMMARY.findall(text):
+            assert ":toctree: generated" in block, page.name
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_internal_links_resolve(page):
+    """Every relative link names a file that exists and, after ``#``, one of its headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: broken links {broken}"

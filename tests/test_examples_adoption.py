@@ -2,7 +2,7 @@
 
 For each example: with k = 0 the SkipReduce step equals the plain
 data-parallel step (XLA's own reductions); with Random SkipReduce every
-replica stays bit-identical; docs/adopting.md shows the lines that differ.
+replica stays bit-identical; docs/guides/nnx.md and linen.md show the lines that differ.
 """
 
 import difflib
@@ -190,7 +190,7 @@ def test_linen_random_skipping_keeps_replicas_identical():
 
 
 # ----------------------------------------------------------------------------
-# docs/adopting.md shows the diff of the two setups, as they are.
+# docs/guides/nnx.md and docs/guides/linen.md show the diff of the two setups, as they are.
 # ----------------------------------------------------------------------------
 
 
@@ -207,8 +207,10 @@ def test_the_docs_show_the_diff_and_about_ten_lines_differ(module):
     changed = [line for line in diff if line[:1] in "+-"]
     assert len([line for line in changed if line[0] == "+"]) <= 12, changed
     block = "```diff\n" + "\n".join(diff) + "\n```"
-    assert block in (ROOT / "docs" / "adopting.md").read_text(), (
-        "docs/adopting.md's diff of examples/" + module.__name__ + ".py is out of date; "
+    page = ROOT / "docs" / "guides" / {"nnx_cnn_digits": "nnx.md", "linen_lm": "linen.md"}[
+        module.__name__]
+    assert block in page.read_text(), (
+        f"{page.relative_to(ROOT)}'s diff of examples/" + module.__name__ + ".py is out of date; "
         "it should read:\n" + block)
 
 

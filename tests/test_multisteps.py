@@ -1,6 +1,6 @@
-"""optax.MultiSteps around skip_reduce: local accumulators, one reduction per step.
+"""skipreduce_jax.MultiSteps around skip_reduce: local accumulators, one reduction per step.
 
-A user's ``optax.MultiSteps(optax.chain(skip_reduce(...), ...), k)`` goes
+A user's ``skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k)`` goes
 unchanged through ``init_opt_state``, ``data_parallel``, ``make_train_step``
 and ``skipreduce_jax.nnx``: each rank accumulates its local gradients in a
 per-rank ``acc_grads`` and the wrapped optimizer (with the ring) runs once
@@ -75,7 +75,7 @@ def _reference(inner, params, batches, k):
 def test_k0_equals_optax_multisteps_over_the_mean_gradient():
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(2 * K)
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
                                       optax.adamw(1e-2)), K)
     got, state, _ = _run(tx, params, batches, mesh)
     want, ref_state = _reference(optax.adamw(1e-2), params, batches, K)
@@ -109,7 +109,7 @@ def test_make_train_step_multisteps_equals_its_microbatches():
     placed = sr.replicate(params, mesh)
     step = sr.make_train_step(_loss, chain, mesh, "data", microbatches=K, donate=False)
     want, _, _ = step(placed, sr.init_opt_state(chain, placed, mesh, "data"), whole)
-    tx = optax.MultiSteps(chain, K)
+    tx = sr.MultiSteps(chain, K)
     state = sr.init_opt_state(tx, placed, mesh, "data")
     step = sr.make_train_step(_loss, tx, mesh, "data", donate=False)
     got = placed
@@ -132,7 +132,7 @@ def test_the_ring_runs_once_per_k_micro_steps():
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(2 * K)
     calls = []
-    tx = optax.MultiSteps(optax.chain(
+    tx = sr.MultiSteps(optax.chain(
         sr.skip_reduce("data", num_skip=4, min_size=0), _counting(calls),
         optax.sgd(0.1)), K)
     _, state, step = _run(tx, params, batches, mesh)
@@ -182,7 +182,7 @@ def test_flax_train_state_reads_optax_fields():
     train_state = pytest.importorskip("flax.training.train_state")
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(2 * K)
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
                                       optax.sgd(0.5)), K)
     placed = sr.replicate(params, mesh)
     state = train_state.TrainState(step=0, apply_fn=None, params=placed, tx=tx,
@@ -208,7 +208,7 @@ def test_flax_train_state_reads_optax_fields():
 def test_random_replicas_stay_bit_identical():
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(2 * K)
-    tx = optax.MultiSteps(optax.chain(
+    tx = sr.MultiSteps(optax.chain(
         sr.skip_reduce("data", skip_ratio=0.5, min_size=0, error_feedback=True),
         optax.sgd(0.1, momentum=0.9)), K)
     got, state, _ = _run(tx, params, batches, mesh)
@@ -234,7 +234,7 @@ def test_hsdp_replica_axis_keeps_the_params_layout(axis_type):
     specs = {"w": P(None, "fsdp"), "v": P("fsdp", None)}
     host, batches = _data(2 * K)
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("replica", num_skip=0, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("replica", num_skip=0, min_size=0),
                                       optax.adam(1e-2)), K)
     opt_state = sr.init_opt_state(tx, params, mesh, "replica")
     for k in params:  # one row per replica rank, sharded like the param
@@ -279,7 +279,7 @@ def test_nnx_optimizer():
     model = Model(nnx.Rngs(0))
     ref_model = Model(nnx.Rngs(0))
     reference = nnx.Optimizer(ref_model, optax.MultiSteps(optax.sgd(0.1), K), wrt=nnx.Param)
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
                                       optax.sgd(0.1)), K)
     optimizer = srnnx.init_optimizer(model, tx, mesh, "data")
     step = srnnx.data_parallel(train_step, mesh, "data", batch_argnums=2)
@@ -297,7 +297,7 @@ def test_should_skip_update_fn_skips_on_every_rank():
     """A rank's non-finite gradient skips the micro-step everywhere."""
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(2)
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=2, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=2, min_size=0),
                                       optax.sgd(0.1)), 2,
                           should_skip_update_fn=optax.skip_not_finite)
     x, y = batches[0]
@@ -316,7 +316,7 @@ def test_should_skip_update_fn_skips_on_every_rank():
 def test_an_unplaced_accumulator_names_init_opt_state():
     mesh = jax.make_mesh((N,), ("data",))
     params, batches = _data(1)
-    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
                                       optax.sgd(0.1)), K)
     placed = sr.replicate(params, mesh)
     sr.init_opt_state(tx, placed, mesh, "data")
@@ -329,10 +329,21 @@ def test_multisteps_that_is_not_the_optimizer_itself_is_refused():
     mesh = jax.make_mesh((N,), ("data",))
     params, _ = _data(1)
     inner = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0), optax.sgd(0.1))
-    for tx in (optax.MultiSteps(inner, K).gradient_transformation(),
-               optax.chain(optax.MultiSteps(inner, K).gradient_transformation())):
-        with pytest.raises(ValueError, match="pass the optax.MultiSteps object"):
+    for tx in (sr.MultiSteps(inner, K).gradient_transformation(),
+               optax.chain(sr.MultiSteps(inner, K).gradient_transformation())):
+        with pytest.raises(ValueError, match="pass the MultiSteps object"):
             sr.init_opt_state(tx, sr.replicate(params, mesh), mesh, "data")
+
+
+def test_optax_multisteps_around_skip_reduce_names_the_library_class():
+    """optax's own update would reduce every micro-step: refused, naming the fix."""
+    mesh = jax.make_mesh((N,), ("data",))
+    params, _ = _data(1)
+    tx = optax.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+                                      optax.sgd(0.1)), K)
+    with pytest.raises(ValueError, match="use skipreduce_jax.MultiSteps"):
+        sr.init_opt_state(tx, sr.replicate(params, mesh), mesh, "data")
+    assert not vars(tx).keys() - vars(optax.MultiSteps(optax.sgd(0.1), K)).keys()
 
 
 def test_multisteps_without_skip_reduce_is_left_alone():
@@ -351,7 +362,7 @@ def test_checkpoint_resumes_mid_accumulation_bit_identically(tmp_path):
     params, batches = _data(2 * K)
 
     def fresh():
-        tx = optax.MultiSteps(optax.chain(
+        tx = sr.MultiSteps(optax.chain(
             sr.skip_reduce("data", num_skip=4, min_size=0, error_feedback=True),
             optax.adam(1e-2)), K)
         placed = sr.replicate(params, mesh)

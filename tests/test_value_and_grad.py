@@ -291,11 +291,12 @@ def test_integer_aux_that_differs_per_rank_is_refused():
 
 def test_auto_axes_without_param_specs_still_sum_n_minus_k_ranks():
     """Under Auto axes the layout is unknown in jit: the ring sees whole
-    leaves (other windows than on each shard), N - k ranks each."""
+    leaves (other windows than on each shard), N - k ranks each, and a
+    warning names param_specs."""
     n, k = 4, 2
     mesh, _, params, _ = _layout("4x2-auto")
     rows = jnp.asarray([[2.0 ** r] for r in range(n)])
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="Pass param_specs="):
         grads = jax.jit(lambda w, x: sr.value_and_grad(
             lambda w, x: jnp.sum(w * x[:, :, None]), mesh, "replica", step=5,
             num_skip=k, min_size=0)(w, x)[1])(params["w1"], rows)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from skipreduce_jax import _traffic as traffic
+from skipreduce_jax._types import PyTree
 
 
 def leaf_size(leaf: Any) -> int:
@@ -30,7 +31,7 @@ def leaf_bytes(leaf: Any) -> int:
     return leaf_size(leaf) * np.dtype(leaf.dtype).itemsize
 
 
-def full_comm_bytes(params: Any, n: int) -> float:
+def full_comm_bytes(params: PyTree, n: int) -> float:
     """Bytes each device sends per step in a full ring all-reduce of every leaf.
 
     ``2 (N - 1) / N * sum(leaf bytes)``, the plain data-parallel step.

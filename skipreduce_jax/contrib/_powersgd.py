@@ -30,6 +30,7 @@ from jax import lax
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
+from skipreduce_jax._types import PyTree
 from skipreduce_jax.contrib._common import leaf_bytes, method_settings
 
 _API = "powersgd_reduce"
@@ -237,7 +238,7 @@ def _powersgd_update(config: _PowerSGDConfig, updates: Any,
             PowerSGDState(state.count + 1, tuple(qs), new_errors))
 
 
-def powersgd_comm_bytes(params: Any, n: int, **powersgd_kwargs: Any) -> float:
+def powersgd_comm_bytes(params: PyTree, n: int, **powersgd_kwargs: Any) -> float:
     """Bytes each device sends per step of :func:`powersgd_reduce`, after warm-up.
 
     Two ring all-reduces per compressed ``[rows, cols]`` leaf, of the float32

@@ -30,6 +30,7 @@ from jax import lax
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
+from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax.contrib._common import leaf_bytes, leaf_size, method_settings
 
 _API = "topk_reduce"
@@ -108,7 +109,7 @@ def topk_reduce(
     per_leaf: bool = True,
     error_feedback: bool = True,
     min_size: int = 0,
-    index_dtype: Any = jnp.int32,
+    index_dtype: DTypeLike = jnp.int32,
 ) -> optax.GradientTransformationExtraArgs:
     """Top-k sparsified gradient averaging with error memory.
 
@@ -222,7 +223,7 @@ def _topk_update(config: _TopKConfig, updates: Any,
             TopKState(state.count + 1, new_memory))
 
 
-def topk_comm_bytes(params: Any, n: int, **topk_kwargs: Any) -> float:
+def topk_comm_bytes(params: PyTree, n: int, **topk_kwargs: Any) -> float:
     """Bytes each device sends per step of :func:`topk_reduce`.
 
     A ring all-gather of N blocks of k entries sends ``(N - 1) / N`` of its

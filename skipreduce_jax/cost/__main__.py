@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from skipreduce_jax import _checks as checks
 from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._traffic import (
     hierarchical_bytes,
@@ -286,6 +287,32 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 # --------------------------------------------------------------------------
 
 
+# Short names --dtype takes, as the library's dtype names.
+_DTYPE_ALIASES = {"fp64": "float64", "f64": "float64", "fp32": "float32",
+                  "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "f16": "float16", "fp8": "float8_e4m3fn"}
+
+
+def parse_comm_dtype(text: str) -> str:
+    """``--comm-dtype``: a dtype the library takes as ``comm_dtype``, by name.
+
+    The library's own check decides (a floating dtype; float64 is float32
+    unless jax_enable_x64 is on), so the command line prices only wires
+    that ``skip_psum`` and ``skip_reduce`` accept.
+    """
+    try:
+        dtype = checks.check_comm_dtype(_DTYPE_ALIASES.get(text, text),
+                                        api="skip_reduce")
+    except TypeError as e:
+        raise ValueError(f"{text!r}: the library refuses it ({e}) Give a "
+                         "floating dtype, e.g. bfloat16 or float16, or leave "
+                         "--comm-dtype out.") from None
+    if dtype is None or dtype.name not in DTYPE_BYTES:
+        raise ValueError(f"{text!r} is not a dtype name; give e.g. bfloat16 or "
+                         "float16.")
+    return dtype.name
+
+
 def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
@@ -331,10 +358,11 @@ def _add_size_args(p: argparse.ArgumentParser) -> None:
         metavar="DTYPE", help="element type for --params (default float32)",
     )
     g.add_argument(
-        "--comm-dtype", default=None, choices=sorted(DTYPE_BYTES),
-        metavar="DTYPE", help="what crosses the network (comm_dtype, e.g. "
-        "bfloat16): the ring sends --size (or --params) at this width; not "
-        "with --inner (default: --dtype)",
+        "--comm-dtype", default=None, type=_arg_type(parse_comm_dtype),
+        metavar="DTYPE", help="what crosses the network (comm_dtype, a "
+        "floating dtype as the library accepts it, e.g. bfloat16 or float16): "
+        "the ring sends --size (or --params) at this width; not with --inner "
+        "(default: --dtype)",
     )
 
 

@@ -1,0 +1,72 @@
+"""``mean_count``: a batch's count made global where the loss runs per rank.
+
+The library's per-rank bodies (``value_and_grad``'s, ``data_parallel``'s)
+say which data axes they run over while the user's code is traced;
+``mean_count`` reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+from jax import lax
+
+# The data axes of the per-rank body being traced (None outside any).
+_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "skipreduce_count_axes", default=None)
+
+
+def mean_count(count: Any) -> Any:
+    """A batch's count as a loss that divides by it must see it on each rank.
+
+    A loss that divides a sum by a count taken from its batch (tokens that
+    are not padding, example weights) is exact on the global batch only if
+    it divides by the global count. Divide by ``mean_count(count)``: inside
+    :func:`value_and_grad` it is the count averaged over the ranks (the
+    global count over N), so the mean over ranks of the per-rank losses, and
+    of their gradients, is the global sum over the global count; anywhere
+    else (plain ``jax.value_and_grad``, evaluation) it is ``count`` itself.
+    In a per-rank step (:func:`data_parallel`) it is the same mean, so a
+    rank whose rows are all padding divides by the global count, not 0.
+    The same loss then gives the same value and gradients both ways (at
+    ``num_skip=0``), padded batches included.
+
+    Args:
+      count: an array (e.g. ``jnp.sum(mask)``), computed from this rank's
+        rows inside :func:`value_and_grad` or a :func:`data_parallel` step.
+
+    Returns:
+      ``lax.pmean(count, data axes)`` inside :func:`value_and_grad` and the
+      library's per-rank steps (:func:`data_parallel`, :func:`make_train_step`,
+      ``skipreduce_jax.nnx``), else ``count``.
+
+    Example:
+      >>> def loss_fn(w, batch):
+      ...     x, mask = batch
+      ...     return jnp.sum(mask * (x * w) ** 2) / sr.mean_count(jnp.sum(mask))
+      >>> x = jnp.arange(16.0)
+      >>> mask = (x % 3 > 0).astype(jnp.float32)  # padding: uneven per rank
+      >>> plain = jax.value_and_grad(loss_fn)(1.0, (x, mask))
+      >>> with jax.set_mesh(mesh):
+      ...     skipped = jax.jit(lambda w: sr.value_and_grad(
+      ...         loss_fn, mesh, "data", step=0, num_skip=0)(w, (x, mask)))(1.0)
+      >>> bool(jnp.allclose(plain[0], skipped[0])), bool(
+      ...     jnp.allclose(plain[1], skipped[1]))
+      (True, True)
+    """
+    axes = _AXES.get()
+    if axes is None:
+        return count
+    return lax.pmean(count, axes)
+
+
+@contextlib.contextmanager
+def counting_over(axes: tuple[str, ...]) -> Iterator[None]:
+    token = _AXES.set(axes)
+    try:
+        yield
+    finally:
+        _AXES.reset(token)
