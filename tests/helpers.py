@@ -37,15 +37,6 @@ def xla_steps(loss: Callable[[Any, Any], Any], tx: Any, params: Any, batch: Any,
     return params
 
 
-def psum(tree: Any, axis: str) -> Any:
-    """``lax.psum`` of every leaf but zero-size ones (kept as they are).
-
-    XLA:CPU in jax 0.11.2 crashes compiling a program that all-reduces a
-    zero-size array beside another all-reduce.
-    """
-    return jax.tree_util.tree_map(lambda x: jax.lax.psum(x, axis) if x.size else x, tree)
-
-
 def line_mesh(n: int, axis: str = "i") -> jax.sharding.Mesh:
     """A 1-D mesh over the first ``n`` devices."""
     return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])

@@ -337,7 +337,7 @@ def test_restore_where_only_comm_dtype_changed_names_it(mesh, uninterrupted):
 def test_restore_of_multisteps_on_another_number_of_ranks(mesh, tmp_path):
     # acc_grads holds one row per rank, like the residuals the settings record.
     def state(mesh):
-        tx = optax.MultiSteps(optax.chain(sr.skip_reduce(
+        tx = sr.MultiSteps(optax.chain(sr.skip_reduce(
             "data", num_skip=1, min_size=0), optax.sgd(0.1)), 2)
         params = sr.replicate(_init_params(0), mesh)
         return params, sr.init_opt_state(tx, params, mesh, "data")

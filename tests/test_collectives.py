@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import bit_inputs, line_mesh, per_rank, popcount, psum
+from helpers import bit_inputs, line_mesh, per_rank, popcount
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,7 +46,7 @@ def test_ring_psum_and_k0_equal_psum(n, check_vma, gather):
     floats = {k: v for k, v in tree.items() if k != "ints"}
 
     def f(t):
-        return (psum(t, "i"), sr.ring_psum(t, "i", gather=gather),
+        return (lax.psum(t, "i"), sr.ring_psum(t, "i", gather=gather),
                 sr.skip_psum({k: v for k, v in t.items() if k != "ints"}, "i",
                              key=jax.random.key(3), num_skip=0, gather=gather))
 
