@@ -46,6 +46,7 @@ from skipreduce_jax._schedule import (
 )
 from skipreduce_jax._selection import check_selective, skippable
 from skipreduce_jax._types import DTypeLike, PyTree
+from skipreduce_jax._vma import pmean_nonempty
 
 _API = "skip_reduce"
 
@@ -703,7 +704,7 @@ def _full_mean(leaves: list[jax.Array], scattered: list[bool],
     axes = _axes(config)
     wide = [g.astype(coll.summed_dtype(g.dtype, config.accumulate_dtype))
             for g in leaves]
-    ar = lax.pmean([w for w, c in zip(wide, scattered) if not c], axes)
+    ar = pmean_nonempty([w for w, c in zip(wide, scattered) if not c], axes)
     n = math.prod(checks.axis_size(a, api=_API) for a in axes) if any(scattered) else 1
     rs = [coll.full_psum_scatter(w, config.axis_name, config.inner_axis) / n
           for w, c in zip(wide, scattered) if c]

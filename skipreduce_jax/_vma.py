@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -50,3 +51,21 @@ def all_gather_replicated(x: jax.Array, axis_name: str, **kwargs: Any
     if axis_name in varying_axes(x):
         return lax.all_gather(x, axis_name, to="invarying", **kwargs)
     return lax.all_gather(x, axis_name, **kwargs)
+
+
+def pmean_nonempty(leaves: list[jax.Array], axes: Any) -> list[jax.Array]:
+    """``lax.pmean`` of each leaf; a zero-size leaf's mean is a new empty array.
+
+    XLA:CPU in jax 0.11.2 crashes compiling a program that all-reduces a
+    zero-size array beside another all-reduce, so none is emitted (the new
+    array is typed as ``pmean``'s result is).
+    """
+    reduced = set(axes if isinstance(axes, tuple) else (axes,))
+
+    def empty(g):  # typed as pmean's result: varying over the other axes only
+        others = tuple(sorted(varying_axes(g) - reduced))
+        return cast_varying(jnp.zeros(g.shape, g.dtype), others)
+
+    full = [g for g in leaves if g.size]
+    means = iter(lax.pmean(full, axes) if full else [])
+    return [next(means) if g.size else empty(g) for g in leaves]
