@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
+
+from skipreduce_jax._vma import varying_axes, vma_checked
 
 # The data axes of the per-rank body being traced (None outside any).
 _AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
@@ -31,6 +35,9 @@ def mean_count(count: Any) -> Any:
     else (plain ``jax.value_and_grad``, evaluation) it is ``count`` itself.
     In a per-rank step (:func:`data_parallel`) it is the same mean, so a
     rank whose rows are all padding divides by the global count, not 0.
+    A count that is the same on every rank (a constant such as the global
+    batch size, ``jnp.sum(err) / mean_count(64.0)``) is already global: its
+    share per rank is ``count / N``, with the same effect.
     The same loss then gives the same value and gradients both ways (at
     ``num_skip=0``), padded batches included.
 
@@ -60,6 +67,11 @@ def mean_count(count: Any) -> Any:
     axes = _AXES.get()
     if axes is None:
         return count
+    count = jnp.asarray(count)
+    if vma_checked(axes[0]) and not varying_axes(count) & set(axes):
+        # The same on every rank: already the global count (a constant such
+        # as the global batch size); each rank's share of it is count / N.
+        return count / math.prod(lax.axis_size(a) for a in axes)
     return lax.pmean(count, axes)
 
 
