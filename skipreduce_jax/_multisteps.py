@@ -66,6 +66,13 @@ def check_owner(tx: Any, opt_state: Any, *, api: str) -> None:
     nodes = [n for n in jax.tree_util.tree_leaves(opt_state, is_leaf=is_local_accumulator)
              if is_local_accumulator(n)]
     if not nodes:
+        if api == "make_train_step" and isinstance(opt_state, optax.MultiStepsState):
+            raise ValueError(
+                f"{api}: the optimizer is a MultiSteps whose chain holds no "
+                "skip_reduce. make_train_step's gradients are each rank's own "
+                "and skip_reduce is what reduces them: put it first in the "
+                "chain, e.g. skipreduce_jax.MultiSteps(optax.chain("
+                "skip_reduce(axis_name, ...), optax.sgd(...)), k).")
         return
     if isinstance(tx, MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
         return

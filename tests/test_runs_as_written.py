@@ -305,3 +305,15 @@ def test_a_second_call_outside_jit_compiles_nothing():
         jax.monitoring.unregister_event_duration_listener(listen)
     assert before > 0 and len(compiles) == before
     np.testing.assert_array_equal(first[1]["w"], second[1]["w"])
+
+
+def test_make_train_step_with_multisteps_but_no_skip_reduce_names_the_fix():
+    """Before: optax's 'cond branches must have equal output types'."""
+    mesh = jax.make_mesh((N,), ("data",))
+    params, x = _data()
+    tx = sr.MultiSteps(optax.sgd(0.1), 2)
+    placed = sr.replicate(params, mesh)
+    state = sr.init_opt_state(tx, placed, mesh, "data")
+    step = sr.make_train_step(lambda p, x: _loss(p, x)[0], tx, mesh, "data", donate=False)
+    with pytest.raises(ValueError, match="holds no skip_reduce"):
+        step(placed, state, sr.shard_batch(x, mesh))
