@@ -162,9 +162,15 @@ def _with_sharding_constraint(x: Any, shardings: Any) -> Any:
 def _respelled(x: Any, sharding: Any, mesh: Any) -> Any:
     """One leaf's constraint, for the body's (partly manual) mesh."""
     if isinstance(sharding, NamedSharding):
-        same = (tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names)
-                and tuple(sharding.mesh.axis_sizes) == tuple(mesh.axis_sizes))
-        spec = sharding.spec if same else None
+        theirs = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+        ours = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        if theirs != ours:
+            raise ValueError(
+                "with_sharding_constraint inside a per-rank step: the sharding's "
+                f"mesh has axes {theirs}, the step's mesh {ours}. Constrain with "
+                "the mesh the step runs on (NamedSharding(mesh, spec)), or a bare "
+                "PartitionSpec.")
+        spec = sharding.spec
     else:
         spec = sharding if isinstance(sharding, P) else None
     if spec is None or any(a not in mesh.axis_names for a in spec_axes(spec)

@@ -317,3 +317,23 @@ def test_make_train_step_with_multisteps_but_no_skip_reduce_names_the_fix():
     step = sr.make_train_step(lambda p, x: _loss(p, x)[0], tx, mesh, "data", donate=False)
     with pytest.raises(ValueError, match="holds no skip_reduce"):
         step(placed, state, sr.shard_batch(x, mesh))
+
+
+@pytest.mark.parametrize("other", [((N,), ("data",)), ((4,), ("batch",))],
+                         ids=["other-axis-name", "four-devices"])
+def test_a_constraint_of_another_mesh_in_a_step_names_both_meshes(other):
+    """Before: JAX's manual-axis errors quoting a spec of the step's making."""
+    mesh = jax.make_mesh((N,), ("batch",))
+    shape, names = other
+    foreign = jax.make_mesh(shape, names, devices=jax.devices()[:shape[0]])
+    tx = optax.chain(sr.skip_reduce("batch", num_skip=0, min_size=0), optax.sgd(0.1))
+
+    def loss(p, x):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(foreign, P(names[0])))
+        return jnp.mean((x @ p) ** 2)
+
+    params = sr.replicate(jnp.ones((4, 2)), mesh)
+    step = sr.make_train_step(loss, tx, mesh, "batch", donate=False)
+    with pytest.raises(ValueError, match="the sharding's mesh has axes .* the step's mesh"):
+        step(params, sr.init_opt_state(tx, params, mesh, "batch"),
+             sr.shard_batch(jnp.ones((16, 4)), mesh, "batch"))
