@@ -32,7 +32,7 @@ of about 256 elements), ``random-iid`` (``balanced=False``: the paper's
 schedule, drawn afresh every step), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
 1 and 4; ``random-cK`` for any K), ``random-units`` (``layout="units"``: each
 kernel packed output unit first, so one unit's weights share their drop;
-``random-units-cK`` with ``chunks_per_rank=K``, and ``-iid`` after either
+``random-units-cK`` with ``chunks_per_rank=K``; ``-iid`` after any of these
 for ``balanced=False``), ``static`` (``randomize=False``),
 ``random+ef`` (error feedback), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
@@ -134,9 +134,8 @@ LABELS = {
     "random-bf16": "Random, comm_dtype=bfloat16",
     "psum-bf16": "lax.pmean of bfloat16 gradients",
 }
-_CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
-# random-units[-cK][-iid]: layout="units", chunks_per_rank=K, balanced=False.
-_UNITS = re.compile(r"random-units(?:-c([1-9][0-9]*))?(-iid)?$")
+# random[-units][-cK][-iid]: layout="units", chunks_per_rank=K, balanced=False.
+_GRAIN = re.compile(r"random(-units)?(?:-c([1-9][0-9]*))?(-iid)?$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
 # frozen (1-bit Adam's recipe, without its compression).
 _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
@@ -153,14 +152,14 @@ TARGET_RULES: dict[str, tuple[int, int]] = {"mlp-named": (200, 3)}
 
 def label(variant: str) -> str:
     """The long name of a variant."""
-    match = _CHUNKS.match(variant)
+    if variant in LABELS:
+        return LABELS[variant]
+    match = _GRAIN.match(variant)
     if match:
-        return f"Random, chunks_per_rank={match.group(1)}"
-    match = _UNITS.match(variant)
-    if match:
-        return ("Random, layout='units'"
-                + (f", chunks_per_rank={match.group(1)}" if match.group(1) else "")
-                + (", balanced=False" if match.group(2) else ""))
+        return ", ".join(["Random"] + [text for text, on in (
+            ("layout='units'", match.group(1)),
+            (f"chunks_per_rank={match.group(2)}", match.group(2)),
+            ("balanced=False", match.group(3))) if on])
     match = _FROZEN.match(variant)
     if match:
         return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
@@ -174,9 +173,9 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_CHUNKS, _UNITS, _WARMUP, _FROZEN)):
+            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
-                         f"{', '.join(VARIANTS)}, random-cK, random-units[-cK][-iid], "
+                         f"{', '.join(VARIANTS)}, random[-units][-cK][-iid], "
                          "random-wW[-fv] or all-reduce-fvW (K, W >= 1).")
     return variant
 
@@ -531,22 +530,18 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
     if variant in ("all-reduce", "bound", "psum-bf16") or _FROZEN.match(variant):
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
-    match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
-    units = _UNITS.match(variant)
-    if match:
-        kwargs["chunks_per_rank"] = int(match.group(1))
-    elif units:
-        kwargs["layout"] = "units"
-        if units.group(1):
-            kwargs["chunks_per_rank"] = int(units.group(1))
-        if units.group(2):
+    grain, warmup = _GRAIN.match(variant), _WARMUP.match(variant)
+    if grain:
+        if grain.group(1):
+            kwargs["layout"] = "units"
+        if grain.group(2):
+            kwargs["chunks_per_rank"] = int(grain.group(2))
+        if grain.group(3):
             kwargs["balanced"] = False
     elif warmup:
         kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
         kwargs["randomize"] = False
-    elif variant == "random-iid":
-        kwargs["balanced"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
     elif variant == "random+ef":
@@ -557,7 +552,7 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         if selective is None:
             raise ValueError("random-sel: this workload has no selective rule.")
         kwargs["selective"] = selective
-    elif variant != "random":
+    else:
         check_variant(variant)
     return kwargs
 
@@ -1087,8 +1082,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=300, help="training steps per run")
     add("--eval-every", type=int, default=10, help="steps between evaluations")
     add("--variants", type=_csv(_variant), default=list(DEFAULT_VARIANTS),
-        help=f"comma-separated, of {','.join(VARIANTS)}, random-cK, "
-             "random-units[-cK][-iid], random-wW[-fv] or all-reduce-fvW")
+        help=f"comma-separated, of {','.join(VARIANTS)}, "
+             "random[-units][-cK][-iid], random-wW[-fv] or all-reduce-fvW")
     add("--lr", type=float, default=None,
         help="learning rate for every run (default: per workload and optimizer)")
     add("--momentum", type=float, default=0.9, help="SGD's momentum (0: none)")

@@ -106,6 +106,11 @@ def test_variant_arguments():
         skip_ratio=0.5, min_size=0, seed=3, layout="units", chunks_per_rank=1,
         balanced=False)
     assert cv.label("random-units-c1") == "Random, layout='units', chunks_per_rank=1"
+    assert cv.reduce_kwargs("random-c1-iid", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, chunks_per_rank=1, balanced=False)
+    assert cv.reduce_kwargs("random-iid", 0.5, 3)["balanced"] is False
+    assert cv.label("random-iid") == "Random, balanced=False (the paper's)"
+    assert cv.label("random-c4") == "Random, chunks_per_rank=4"
     with pytest.raises(ValueError, match="unknown variant 'random-units-c0'"):
         cv.reduce_kwargs("random-units-c0", 0.5, 0)
     assert cv.reduce_kwargs("static", 0.5, 3)["randomize"] is False
