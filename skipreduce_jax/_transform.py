@@ -274,8 +274,9 @@ def skip_reduce(
         two or more dimensions with its last axis (its output units) first,
         so the gradient of one output unit's weights comes from one set of
         ranks. With ``chunks_per_rank=1`` whole runs of units share their
-        drop. Bytes, ring and schedule are the same; see
-        ``docs/convergence.md`` for when it helps.
+        drop. Bytes, ring and schedule are the same. On the over-fitting
+        MLP of ``docs/convergence.md`` it did not close Random's
+        validation gap (``error_feedback`` did).
 
     BatchNorm: with batch statistics averaged over the data axis, a skipped
     leaf that feeds a BatchNorm (the conv or dense layer before it)
