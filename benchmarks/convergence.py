@@ -30,7 +30,10 @@ exactly ``lax.pmean``), ``bound`` (the information bound above),
 ``random`` (Random SkipReduce with the defaults: balanced schedules, sub-chunks
 of about 256 elements), ``random-iid`` (``balanced=False``: the paper's
 schedule, drawn afresh every step), ``random-c1`` and ``random-c4`` (``chunks_per_rank``
-1 and 4; ``random-cK`` for any K), ``static`` (``randomize=False``),
+1 and 4; ``random-cK`` for any K), ``random-units`` (``layout="units"``: each
+kernel packed output unit first, so one unit's weights share their drop;
+``random-units-cK`` with ``chunks_per_rank=K``; ``-iid`` after any of these
+for ``balanced=False``), ``static`` (``randomize=False``),
 ``random+ef`` (error feedback), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
 a full all-reduce), ``random-radial`` (``exact_radial=True``: each output
@@ -131,7 +134,8 @@ LABELS = {
     "random-bf16": "Random, comm_dtype=bfloat16",
     "psum-bf16": "lax.pmean of bfloat16 gradients",
 }
-_CHUNKS = re.compile(r"random-c([1-9][0-9]*)$")
+# random[-units][-cK][-iid]: layout="units", chunks_per_rank=K, balanced=False.
+_GRAIN = re.compile(r"random(-units)?(?:-c([1-9][0-9]*))?(-iid)?$")
 # random-wW: W full all-reduce steps first; -fv: then AdamW's second moment
 # frozen (1-bit Adam's recipe, without its compression).
 _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
@@ -148,9 +152,14 @@ TARGET_RULES: dict[str, tuple[int, int]] = {"mlp-named": (200, 3)}
 
 def label(variant: str) -> str:
     """The long name of a variant."""
-    match = _CHUNKS.match(variant)
+    if variant in LABELS:
+        return LABELS[variant]
+    match = _GRAIN.match(variant)
     if match:
-        return f"Random, chunks_per_rank={match.group(1)}"
+        return ", ".join(["Random"] + [text for text, on in (
+            ("layout='units'", match.group(1)),
+            (f"chunks_per_rank={match.group(2)}", match.group(2)),
+            ("balanced=False", match.group(3))) if on])
     match = _FROZEN.match(variant)
     if match:
         return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
@@ -164,10 +173,10 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_CHUNKS, _WARMUP, _FROZEN)):
+            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
-                         f"{', '.join(VARIANTS)}, random-cK, random-wW[-fv] or "
-                         "all-reduce-fvW (K, W >= 1).")
+                         f"{', '.join(VARIANTS)}, random[-units][-cK][-iid], "
+                         "random-wW[-fv] or all-reduce-fvW (K, W >= 1).")
     return variant
 
 
@@ -521,15 +530,18 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
     if variant in ("all-reduce", "bound", "psum-bf16") or _FROZEN.match(variant):
         return dict(num_skip=0, min_size=0)
     kwargs: dict[str, Any] = dict(skip_ratio=skip_ratio, min_size=0, seed=seed)
-    match, warmup = _CHUNKS.match(variant), _WARMUP.match(variant)
-    if match:
-        kwargs["chunks_per_rank"] = int(match.group(1))
+    grain, warmup = _GRAIN.match(variant), _WARMUP.match(variant)
+    if grain:
+        if grain.group(1):
+            kwargs["layout"] = "units"
+        if grain.group(2):
+            kwargs["chunks_per_rank"] = int(grain.group(2))
+        if grain.group(3):
+            kwargs["balanced"] = False
     elif warmup:
         kwargs["warmup_steps"] = int(warmup.group(1))
     elif variant == "static":
         kwargs["randomize"] = False
-    elif variant == "random-iid":
-        kwargs["balanced"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
     elif variant == "random+ef":
@@ -540,7 +552,7 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         if selective is None:
             raise ValueError("random-sel: this workload has no selective rule.")
         kwargs["selective"] = selective
-    elif variant != "random":
+    else:
         check_variant(variant)
     return kwargs
 
@@ -800,6 +812,17 @@ def target_at(history: dict[str, list[float]], step: int, window: int
     return step, curve["val_loss"][curve["step"].index(step)]
 
 
+def lowest(history: dict[str, list[float]], window: int) -> tuple[int, float]:
+    """The lowest smoothed validation loss (:func:`smooth`) and its step.
+
+    Returns:
+      ``(step, loss)``; the earliest step where the minimum is tied.
+    """
+    curve = smooth(history, window)
+    i = int(np.argmin(curve["val_loss"]))
+    return curve["step"][i], curve["val_loss"][i]
+
+
 def steps_to(history: dict[str, list[float]], target: float) -> int | None:
     """The first evaluated step whose validation loss is <= ``target``, or None."""
     for step, loss in zip(history["step"], history["val_loss"], strict=True):
@@ -841,9 +864,11 @@ def summarize(runs: Sequence[dict[str, Any]], fraction: float = 2 / 3
 
     Returns:
       Rows with the per-seed lists ``seeds``, ``steps``, ``vs_allreduce``,
-      ``vs_bound``, ``final_loss``, ``final_acc``, ``targets``, their medians
-      (``*_median``), and ``half_batch_cost`` (the bound's median ratio to
-      the all-reduce in the row's group).
+      ``vs_bound``, ``final_loss``, ``final_acc``, ``targets``, ``best_loss``
+      and ``best_step`` (the lowest validation loss, smoothed as the target
+      is, and where it occurs), their medians (``*_median``), and
+      ``half_batch_cost`` (the bound's median ratio to the all-reduce in the
+      row's group).
     """
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
     for run in runs:
@@ -869,6 +894,8 @@ def summarize(runs: Sequence[dict[str, Any]], fraction: float = 2 / 3
                        for s in targets if s in by_variant.get("bound", {})])
         for variant, by_seed in by_variant.items():
             seeds = sorted(by_seed)
+            best = [lowest(by_seed[s]["history"], rule[1] if rule else 1)
+                    for s in seeds]
             row = dict(zip(("workload", "optimizer", "ranks", "skip_ratio"), key,
                            strict=True))
             row.update(
@@ -878,12 +905,14 @@ def summarize(runs: Sequence[dict[str, Any]], fraction: float = 2 / 3
                 steps=[steps_of(variant, s) for s in seeds],
                 final_loss=[by_seed[s]["history"]["val_loss"][-1] for s in seeds],
                 final_acc=[by_seed[s]["history"]["val_acc"][-1] for s in seeds],
+                best_loss=[b[1] for b in best], best_step=[b[0] for b in best],
                 half_batch_cost=cost)
             row["vs_allreduce"] = [ratio(n, steps_of("all-reduce", s))
                                    for n, s in zip(row["steps"], seeds, strict=True)]
             row["vs_bound"] = [ratio(n, steps_of("bound", s)) if "bound" in by_variant
                                else None for n, s in zip(row["steps"], seeds, strict=True)]
-            for name in ("steps", "vs_allreduce", "vs_bound", "final_loss", "final_acc"):
+            for name in ("steps", "vs_allreduce", "vs_bound", "final_loss", "final_acc",
+                         "best_loss"):
                 values = [math.inf if name == "steps" and v is None else v
                           for v in row[name]]
                 row[f"{name}_median"] = median(values)
@@ -906,9 +935,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The summary as a markdown table (medians, then every seed's value)."""
     head = ["workload", "opt", "N, ratio", "half-batch cost", "variant",
             "steps to target (seeds)", "median", "/ all-reduce", "/ bound",
-            "final val loss", "final acc"]
+            "final val loss", "final acc", "best val loss (median)"]
     lines = ["| " + " | ".join(head) + " |",
-             "|" + "|".join(["---"] * 5 + ["---:"] * 6) + "|"]
+             "|" + "|".join(["---"] * 5 + ["---:"] * 7) + "|"]
     for r in rows:
         steps = ", ".join("never" if s is None else str(s) for s in r["steps"])
         lines.append("| " + " | ".join([
@@ -916,7 +945,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             _fmt(r["half_batch_cost"], ".2f"), label(r["variant"]), steps,
             _fmt(r["steps_median"], ".0f"), _fmt(r["vs_allreduce_median"], ".2f"),
             _fmt(r["vs_bound_median"], ".2f"), _fmt(r["final_loss_median"], ".4f"),
-            _fmt(r["final_acc_median"], ".3f")]) + " |")
+            _fmt(r["final_acc_median"], ".3f"), _fmt(r["best_loss_median"], ".4f")]) + " |")
     return "\n".join(lines)
 
 
@@ -1053,8 +1082,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=300, help="training steps per run")
     add("--eval-every", type=int, default=10, help="steps between evaluations")
     add("--variants", type=_csv(_variant), default=list(DEFAULT_VARIANTS),
-        help=f"comma-separated, of {','.join(VARIANTS)}, random-cK, random-wW[-fv] or "
-             "all-reduce-fvW")
+        help=f"comma-separated, of {','.join(VARIANTS)}, "
+             "random[-units][-cK][-iid], random-wW[-fv] or all-reduce-fvW")
     add("--lr", type=float, default=None,
         help="learning rate for every run (default: per workload and optimizer)")
     add("--momentum", type=float, default=0.9, help="SGD's momentum (0: none)")

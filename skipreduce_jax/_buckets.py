@@ -6,6 +6,12 @@ own, which needs no copy (packing a large leaf costs a pass over its bytes);
 leaves are never split. Each bucket is zero-padded to a multiple of
 ``group_size * chunks_per_rank`` so it splits evenly into ring slots and
 sub-chunks. Zero-size leaves are not packed at all.
+
+Layout ``"units"`` packs every leaf of two or more dimensions with its last
+axis first (a Dense or Conv kernel's output units), so the values feeding one
+output unit are contiguous in the buffer and share the slot or sub-chunk
+that holds them: one draw decides, for the whole unit, which ranks are left
+out. The sizes, and so the ring and its bytes, are those of ``"flat"``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from skipreduce_jax._checks import check_choice
 from skipreduce_jax._schedule import default_chunks_per_rank
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# How leaves are laid out in a bucket.
+LAYOUTS = {"flat": "each leaf in its own order",
+           "units": "a kernel's last axis, its output units, first"}
 # A leaf of at least this fraction of the cap gets a bucket of its own.
 OWN_BUCKET_FRACTION = 0.25
 
@@ -56,12 +66,30 @@ class BucketPlan:
       shapes: the shape of every leaf.
       dtypes: the dtype of every leaf.
       buckets: the buckets, in order.
+      layout: ``"flat"`` (each leaf in its own order) or ``"units"`` (a leaf
+        of two or more dimensions with its last axis first).
     """
 
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
     buckets: tuple[Bucket, ...]
+    layout: str = "flat"
+
+    def _moved(self, i: int) -> bool:
+        """Whether leaf ``i`` is packed with its last axis first."""
+        return self.layout == "units" and len(self.shapes[i]) >= 2
+
+    def _flat(self, leaf: jax.Array, i: int) -> jax.Array:
+        """Leaf ``i`` as the 1-D run of values it takes in its bucket."""
+        return jnp.ravel(jnp.moveaxis(leaf, -1, 0) if self._moved(i) else leaf)
+
+    def _shaped(self, values: jax.Array, i: int) -> jax.Array:
+        """The inverse of :meth:`_flat`: leaf ``i``'s run back in its shape."""
+        shape = self.shapes[i]
+        if not self._moved(i):
+            return values.reshape(shape)
+        return jnp.moveaxis(values.reshape(shape[-1:] + shape[:-1]), 0, -1)
 
     def starts(self, bucket: Bucket) -> np.ndarray:
         """Where each leaf of ``bucket`` starts in its flat buffer, then the end."""
@@ -70,7 +98,8 @@ class BucketPlan:
     def pack(self, leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
         """Concatenates a bucket's leaves into one padded 1-D buffer."""
         if len(bucket.leaf_indices) == 1 and bucket.padded_size == bucket.size:
-            return jnp.ravel(leaves[bucket.leaf_indices[0]])  # no copy
+            i = bucket.leaf_indices[0]  # no copy, unless the layout moves it
+            return self._flat(leaves[i], i)
         # Copy each leaf into place: XLA's CPU concatenate of many operands
         # runs an order of magnitude slower than these in-place updates.
         # The largest leaf goes first: XLA turns the first update of the
@@ -82,7 +111,8 @@ class BucketPlan:
                        key=lambda j: starts[j] - starts[j + 1])
         buffer = jnp.zeros((bucket.padded_size,), bucket.dtype)
         for j in order:
-            leaf = jnp.ravel(leaves[bucket.leaf_indices[j]]).astype(bucket.dtype)
+            i = bucket.leaf_indices[j]
+            leaf = self._flat(leaves[i], i).astype(bucket.dtype)
             buffer = lax.dynamic_update_slice(buffer, leaf, (int(starts[j]),))
         return buffer
 
@@ -107,7 +137,7 @@ class BucketPlan:
             start = 0
             for i in bucket.leaf_indices:
                 size = math.prod(self.shapes[i])
-                leaves[i] = buffer[start:start + size].reshape(self.shapes[i])
+                leaves[i] = self._shaped(buffer[start:start + size], i)
                 start += size
         for i, leaf in enumerate(leaves):
             if leaf is None:
@@ -122,6 +152,7 @@ def plan_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     chunks_per_rank: int | None = None,
     slot_divisor: int = 1,
+    layout: str = "flat",
 ) -> BucketPlan:
     """Plans the buckets of a pytree for a ring over ``group_size`` ranks.
 
@@ -135,10 +166,14 @@ def plan_buckets(
       slot_divisor: a ring slot is further split this many ways before the
         default granularity is chosen (the inner axis size of hierarchical
         SkipReduce, whose ring runs on a 1/L shard).
+      layout: ``"flat"``, or ``"units"``: each leaf of two or more
+        dimensions packed with its last axis first (see the module's
+        docstring). The sizes are the same.
 
     Returns:
       The :class:`BucketPlan`.
     """
+    layout = check_choice(layout, "layout", LAYOUTS, api="plan_buckets")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     dtypes = tuple(np.dtype(x.dtype) for x in leaves)
@@ -150,7 +185,7 @@ def plan_buckets(
         multiple = ranks * chunks
         padded = -(-size // multiple) * multiple
         buckets.append(Bucket(dtype, tuple(indices), size, padded, chunks))
-    return BucketPlan(treedef, shapes, dtypes, tuple(buckets))
+    return BucketPlan(treedef, shapes, dtypes, tuple(buckets), layout)
 
 
 def _group(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype],

@@ -26,6 +26,7 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _ring, _shards
 from skipreduce_jax._buckets import (
     DEFAULT_BUCKET_BYTES,
+    LAYOUTS,
     BlockPlan,
     BucketPlan,
     concatenate_columns,
@@ -195,6 +196,7 @@ def _plan(
     bucket_bytes: int,
     api: str,
     phase: Any = 0,
+    layout: str = "flat",
 ) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
     """Checks arguments, plans buckets, and makes one schedule per bucket."""
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -211,9 +213,10 @@ def _plan(
                                                     else ()), api)
     if isinstance(phase, jax.Array):
         _check_key_replicated(phase, _both(axis_name, inner_axis), api, "phase")
+    layout = checks.check_choice(layout, "layout", LAYOUTS, api=api)
     plan = plan_buckets(tree, group_size=n, slot_divisor=inner,
                         bucket_bytes=bucket_bytes,
-                        chunks_per_rank=chunks_per_rank)
+                        chunks_per_rank=chunks_per_rank, layout=layout)
     schedules = [
         make_schedule(
             n,
@@ -244,6 +247,7 @@ def _reduce(
     with_left_out: bool = False,
     phase: Any = 0,
     comm_dtype: Any = None,
+    layout: str = "flat",
 ) -> Any:
     """The shared body of the public reductions.
 
@@ -258,7 +262,7 @@ def _reduce(
                   scale=scale, chunks_per_rank=chunks_per_rank,
                   bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
                   gather=gather, api=api, with_left_out=with_left_out,
-                  comm_dtype=comm_dtype)
+                  comm_dtype=comm_dtype, layout=layout)
     sharded = _sharded(tree, axis_name, inner_axis, specs, key, phase, api,
                        lambda local, k, ph: _reduce(local, axis_name, key=k, phase=ph,
                                                     **kwargs),
@@ -268,7 +272,7 @@ def _reduce(
     plan, schedules, n, inner = _plan(
         tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api, phase=phase)
+        bucket_bytes=bucket_bytes, api=api, phase=phase, layout=layout)
     checks.check_choice(gather, "gather", GATHER_CHOICES, api=api)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
     leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
@@ -543,6 +547,7 @@ def skip_psum(
     gather: _ring.Gather = "native",
     specs: PyTree = None,
     comm_dtype: DTypeLike | None = None,
+    layout: str = "flat",
 ) -> PyTree:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
@@ -599,6 +604,13 @@ def skip_psum(
         ``jnp.isfinite``, skip the step (``optax.apply_if_finite``), scale
         the values down, or send ``jnp.bfloat16``, which has float32's range
         and is not checked.
+      layout: ``"flat"`` packs each leaf in its own order; ``"units"``
+        packs a leaf of two or more dimensions with its last axis (a
+        kernel's output units) first, so the values that feed one output
+        unit share a slot or sub-chunk, and so one draw: with
+        ``chunks_per_rank=1`` whole runs of units drop the same ranks. The
+        buffers, ring and bytes are the same; each such leaf is copied
+        transposed into and out of its buffer.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -627,7 +639,8 @@ def skip_psum(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs, phase=phase, comm_dtype=comm_dtype)
+        gather=gather, api=api, specs=specs, phase=phase, comm_dtype=comm_dtype,
+        layout=layout)
 
 
 def skip_pmean(
@@ -646,6 +659,7 @@ def skip_pmean(
     gather: _ring.Gather = "native",
     specs: PyTree = None,
     comm_dtype: DTypeLike | None = None,
+    layout: str = "flat",
 ) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
@@ -667,6 +681,7 @@ def skip_pmean(
       gather: as in :func:`skip_psum`.
       specs: as in :func:`ring_psum`.
       comm_dtype: as in :func:`skip_psum`.
+      layout: as in :func:`skip_psum`.
 
     Returns:
       The partial mean, identical on every rank.
@@ -676,7 +691,7 @@ def skip_pmean(
         phase=phase, normalize=normalize, inner_axis=inner_axis,
         chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
         accumulate_dtype=accumulate_dtype, gather=gather, specs=specs,
-        comm_dtype=comm_dtype, api="skip_pmean")
+        comm_dtype=comm_dtype, layout=layout, api="skip_pmean")
 
 
 def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
@@ -687,7 +702,7 @@ def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
     the second result for the next step; it equals
     ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same
     ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``, ``inner_axis``,
-    ``chunks_per_rank`` and ``bucket_bytes``.
+    ``chunks_per_rank``, ``bucket_bytes`` and ``layout``.
 
     Args:
       x: as in :func:`skip_pmean`.
@@ -728,8 +743,8 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            inner_axis: str | None = None, chunks_per_rank: int | None = None,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
-           specs: Any = None, comm_dtype: Any = None, api: str,
-           with_left_out: bool = False) -> Any:
+           specs: Any = None, comm_dtype: Any = None, layout: str = "flat",
+           api: str, with_left_out: bool = False) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -740,7 +755,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
         gather=gather, api=api, specs=specs, with_left_out=with_left_out,
-        phase=phase, comm_dtype=comm_dtype)
+        phase=phase, comm_dtype=comm_dtype, layout=layout)
 
 
 def contribution_mask(
@@ -755,14 +770,15 @@ def contribution_mask(
     chunks_per_rank: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     specs: PyTree = None,
+    layout: str = "flat",
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
 
     With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``,
-    ``inner_axis``, ``chunks_per_rank``, ``bucket_bytes`` and ``specs`` (the only
-    arguments that decide who is summed), it asks the same bucket plan and
-    schedules that :func:`skip_psum` uses, so the two always agree. Error
-    feedback keeps ``x * ~mask`` for the next step.
+    ``inner_axis``, ``chunks_per_rank``, ``bucket_bytes``, ``specs`` and
+    ``layout`` (the only arguments that decide who is summed), it asks the
+    same bucket plan and schedules that :func:`skip_psum` uses, so the two
+    always agree. Error feedback keeps ``x * ~mask`` for the next step.
 
     Args:
       x: the pytree that will be (or was) passed to :func:`skip_psum`.
@@ -776,6 +792,7 @@ def contribution_mask(
       chunks_per_rank: as in :func:`skip_psum`.
       bucket_bytes: as in :func:`skip_psum`.
       specs: as in :func:`ring_psum`.
+      layout: as in :func:`skip_psum`.
 
     Returns:
       A pytree of bool arrays shaped like ``x``: True where this rank's value
@@ -783,7 +800,8 @@ def contribution_mask(
     """
     api = "contribution_mask"
     kwargs = dict(num_skip=num_skip, randomize=randomize, inner_axis=inner_axis,
-                  chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes)
+                  chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
+                  layout=layout)
     sharded = _sharded(x, axis_name, inner_axis, specs, key, phase, api,
                        lambda local, k, ph: contribution_mask(local, axis_name, key=k,
                                                               phase=ph, **kwargs),
@@ -793,7 +811,7 @@ def contribution_mask(
     plan, schedules, n, inner = _plan(
         x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
         randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api, phase=phase)
+        bucket_bytes=bucket_bytes, api=api, phase=phase, layout=layout)
     rank = lax.axis_index(axis_name)
     masks = []
     for bucket, schedule in zip(plan.buckets, schedules):

@@ -100,6 +100,19 @@ def test_bound_batches_keep_the_first_share_of_every_rank():
 def test_variant_arguments():
     assert cv.reduce_kwargs("bound", 0.5, 3) == dict(num_skip=0, min_size=0)
     assert cv.reduce_kwargs("random-c4", 0.5, 3)["chunks_per_rank"] == 4
+    assert cv.reduce_kwargs("random-units", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, layout="units")
+    assert cv.reduce_kwargs("random-units-c1-iid", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, layout="units", chunks_per_rank=1,
+        balanced=False)
+    assert cv.label("random-units-c1") == "Random, layout='units', chunks_per_rank=1"
+    assert cv.reduce_kwargs("random-c1-iid", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, chunks_per_rank=1, balanced=False)
+    assert cv.reduce_kwargs("random-iid", 0.5, 3)["balanced"] is False
+    assert cv.label("random-iid") == "Random, balanced=False (the paper's)"
+    assert cv.label("random-c4") == "Random, chunks_per_rank=4"
+    with pytest.raises(ValueError, match="unknown variant 'random-units-c0'"):
+        cv.reduce_kwargs("random-units-c0", 0.5, 0)
     assert cv.reduce_kwargs("static", 0.5, 3)["randomize"] is False
     assert cv.reduce_kwargs("random+ef", 0.25, 3) == dict(
         skip_ratio=0.25, min_size=0, seed=3, error_feedback=True)
@@ -283,6 +296,14 @@ def test_named_mlp_target_is_the_smoothed_loss_at_step_200():
     assert rows["mlp", "all-reduce"]["targets"] == [1.0]   # raw, step 200 of 300
     assert cv.smooth(_history([3.0, 2.0, 1.0, 0.0]), 3) == dict(
         step=[20, 30], val_loss=[2.0, 1.0])
+    # The best is read on the smoothed curve: the low evaluation at 150
+    # counts only within its window's mean.
+    random = rows["mlp-named", "random"]
+    curve = cv.smooth(dict(step=steps, val_loss=dip), 3)
+    assert random["best_loss"] == [min(curve["val_loss"])]
+    assert random["best_step"] == [curve["step"][int(np.argmin(curve["val_loss"]))]]
+    assert cv.lowest(_history([3.0, 1.0, 2.0, 0.5, 0.5]), 1) == (30, 0.5)
+    assert cv.lowest(_history([3.0, 1.0, 2.0, 0.5]), 2) == (30, 1.25)
     with pytest.raises(ValueError, match="read at step 200"):
         cv.target_at(_history([3.0, 2.0]), 200, 3)
     with pytest.raises(SystemExit):
