@@ -328,8 +328,8 @@ def test_restore_where_only_comm_dtype_changed_names_it(mesh, uninterrupted):
                                     comm_dtype=jnp.bfloat16), optax.adam(0.05))
     params = sr.replicate(_init_params(0), mesh)
     with pytest.raises(ValueError, match=r"settings of checkpoint step 4 .* differ.*"
-                       r"the same .*accumulate_dtype, check_finite, params_sharded "
-                       r"and comm_dtype as the run that saved it"):
+                       r"the same .*accumulate_dtype, check_finite, params_sharded, "
+                       r"comm_dtype .*as the run that saved it"):
         checkpoint.restore(uninterrupted[0], params_like=params,
                            opt_state_like=sr.init_opt_state(tx, params, mesh, "data"))
 

@@ -337,3 +337,34 @@ def test_a_constraint_of_another_mesh_in_a_step_names_both_meshes(other):
     with pytest.raises(ValueError, match="the sharding's mesh has axes .* the step's mesh"):
         step(params, sr.init_opt_state(tx, params, mesh, "batch"),
              sr.shard_batch(jnp.ones((16, 4)), mesh, "batch"))
+
+
+def test_nnx_value_and_grad_names_the_losss_own_argument():
+    """Before: 'argument 3' for the loss's y (its argument 2)."""
+    nnx = pytest.importorskip("flax.nnx")
+    import skipreduce_jax.nnx as srnnx
+
+    mesh = jax.make_mesh((N,), ("data",))
+    model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+    x, y = np.ones((64, 6), np.float32), np.ones((60, 3), np.float32)
+
+    def loss(model, x, y):
+        return jnp.mean(model(x)) + jnp.mean(y)
+
+    match = r"loss_fn's argument 2 \(the model is 0\)"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+        nnx.jit(lambda m, x, y: srnnx.value_and_grad(loss, mesh, "data", step=0,
+                                                     num_skip=0)(m, x, y))(model, x, y)
+
+
+def test_multisteps_state_from_train_state_create_names_init_opt_state():
+    """Before: 'sub got incompatible shapes for broadcasting: (16,), (2,)'."""
+    mesh = jax.make_mesh((N,), ("data",))
+    params, x = _data()
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0),
+                                   optax.sgd(0.1)), 2)
+    placed = sr.replicate(params, mesh)
+    state = tx.init(params)  # what TrainState.create builds
+    step = sr.make_train_step(lambda p, x: _loss(p, x)[0], tx, mesh, "data", donate=False)
+    with pytest.raises(ValueError, match="init_opt_state"):
+        step(placed, state, sr.shard_batch(x, mesh))
