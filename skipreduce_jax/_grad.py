@@ -267,7 +267,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             with counting_over(axes), _shards.hints(
                     jax.tree_util.tree_leaves(local_params), specs):
                 out, grads = accumulate(grad, local_args, batch, microbatches,
-                                                  has_aux=has_aux)
+                                        has_aux=has_aux)
                 state = tx.init(local_params)._replace(count=step)
                 grads, _ = tx.update(grads, state, local_params)
             return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads

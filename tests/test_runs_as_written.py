@@ -160,9 +160,11 @@ def test_microbatches_drop_other_ranks_each_step():
     assert (np.vectorize(lambda v: bin(v).count("1"))(bits) == N - 4).all()
 
 
-def test_the_mesh_comes_from_set_mesh_and_the_axis_from_a_one_axis_mesh():
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_the_mesh_comes_from_set_mesh_and_the_axis_from_a_one_axis_mesh(axis_type):
     params, x = _data()
-    mesh = _auto_mesh()
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(axis_type,))
     with jax.set_mesh(mesh):
         value, _ = jax.jit(lambda p, x: sr.value_and_grad(
             lambda p, x: _loss(p, x)[0], step=0, num_skip=0, min_size=0)(p, x))(params, x)
