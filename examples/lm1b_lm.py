@@ -14,7 +14,7 @@ This file holds that step twice, for a line-by-line comparison:
     the batch; XLA inserts the gradient all-reduce.
 :func:`skipreduce_step`
     The same step with ``skipreduce_jax.value_and_grad`` over ``"data"``.
-    Five lines differ, and the import: the loss takes the batch as arguments
+    Six lines differ, and the import: the loss takes the batch as arguments
     (a closed-over batch would reach every rank whole, and is refused), its
     normaliser is ``sr.mean_count`` of the token count, and the logits come
     back as every rank's rows (``sr.PerRank``), so the metrics, counts
