@@ -51,7 +51,8 @@ def accumulate(grad: Callable[..., Any], args: Sequence[Any], batch: Sequence[in
             full[i] = leaf
         return grad(*full)
 
-    # The first micro-batch outside the scan: its grads' types start the carry.
+    # The first micro-batch outside the scan: its grads start the carry, so
+    # the carry has their types (varying per rank) with no zeros to build.
     first_out, first = call(jax.tree_util.tree_map(lambda x: x[0], micro))
 
     def body(total, part):
