@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
+from skipreduce_jax._replay import MEAN_COUNT, mark, tracing_for_replay
 from skipreduce_jax._vma import varying_axes, vma_checked
 
 # The data axes of the per-rank body being traced (None outside any).
@@ -64,11 +65,23 @@ def mean_count(count: Any) -> Any:
       ...     jnp.allclose(plain[1], skipped[1]))
       (True, True)
     """
+    if tracing_for_replay():
+        return mark(MEAN_COUNT, count)
     axes = _AXES.get()
     if axes is None:
         return count
+    return global_count(count, axes)
+
+
+def global_count(count: Any, axes: tuple[str, ...], varying: bool | None = None) -> Any:
+    """:func:`mean_count` in a per-rank body over the data ``axes``.
+
+    ``varying``: whether ``count`` differs per rank (None: from its type).
+    """
     count = jnp.asarray(count)
-    if vma_checked(axes[0]) and not varying_axes(count) & set(axes):
+    if varying is None:
+        varying = not vma_checked(axes[0]) or bool(varying_axes(count) & set(axes))
+    if not varying:
         # The same on every rank: already the global count (a constant such
         # as the global batch size); each rank's share of it is count / N.
         return count / math.prod(lax.axis_size(a) for a in axes)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
-from skipreduce_jax._count import counting_over
+from skipreduce_jax._count import global_count
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
     AxisNames,
@@ -35,9 +35,9 @@ from skipreduce_jax._parallel import (
     mesh_axes,
     per_rank_flags,
     positions,
+    rank_key,
 )
-from skipreduce_jax._step_context import step_body
-from skipreduce_jax._training import to_varying
+from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, divisor, replay, trace
 from skipreduce_jax._transform import skip_reduce
 from skipreduce_jax._vma import varying_axes
 
@@ -88,32 +88,38 @@ def value_and_grad(
       ``batch_argnums`` (default: every other positional argument) are split
       over ``axis_name`` along their leading dimension, which must divide by
       the number of ranks; the rest are passed to every rank whole.
-    - ``fun`` runs on each rank's rows (a ``jax.shard_map`` manual over
-      ``axis_name`` only; over the other mesh axes it stays GSPMD code). The
-      local gradients are averaged by :func:`skip_reduce` with
-      ``skip_options``: the grads are identical on every rank and keep the
-      params' layouts; with ``num_skip=0`` they are ``jax.value_and_grad``'s
-      on the global batch (for a loss that is a mean over equal shares of
-      it, or that divides by :func:`mean_count`).
-    - The value, and every leaf of ``aux``, come back as the MEAN over
-      ranks. Leaves of ``aux`` wrapped in :class:`PerRank` (e.g.
-      ``PerRank(per_example_loss)``, ``PerRank(logits)``) come back as every
-      rank's rows concatenated, in the order of the global batch. An ``aux``
-      leaf that is not a float and differs per rank is refused (wrap it in
-      :class:`PerRank`); one with a row per example of the rank's batch
-      is averaged with a warning naming :class:`PerRank`.
+    - ``fun`` is traced once as plain ``jax.jit`` code (its sharding
+      constraints, flax modules and closures as you wrote them) and runs on
+      each rank's rows, manual over ``axis_name`` only (over the other mesh
+      axes it stays GSPMD code; constraints lose the data axes). The local
+      gradients are averaged by :func:`skip_reduce` with ``skip_options``:
+      the grads are identical on every rank and keep the params' layouts;
+      with ``num_skip=0`` they are ``jax.value_and_grad``'s on the global
+      batch (for a loss that is a mean over equal shares of it, or that
+      divides by :func:`mean_count`).
+    - The value is the mean over ranks. An ``aux`` leaf that is a sum over
+      the batch (its last operation ``jnp.sum``: a token count, a summed
+      loss) comes back summed over ranks, ints included; any other leaf
+      that depends on the batch, the mean over ranks; one that does not,
+      as it is. :class:`PerRank` leaves (``PerRank(logits)``) come back as
+      every rank's rows in the global batch's order. A non-float leaf that
+      is not a sum is refused, and one with a row per example of the
+      rank's batch is averaged with a warning naming :class:`PerRank`.
     - A loss that divides by a count from its batch (tokens, weights)
-      divides by :func:`mean_count` of it: exact on padded batches.
+      divides by :func:`mean_count` of it: exact on padded batches. One
+      divided by the global batch's rows (``jnp.sum(err) / 64.0``) warns
+      (:class:`GlobalDivisorWarning`): write ``/ mean_count(64.0)``.
     - A loss that closes over the batch (``get_loss_fn(batch)``) is
       refused: every rank would compute the whole batch. Pass the batch as
-      an argument. A count or sum in ``aux`` comes back as the mean over
-      ranks, 1/N of the global one.
+      an argument.
     - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
     step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
     then runs with those axes Auto (``jax.sharding.auto_axes``), and the
-    grads are pinned to the params' layouts.
+    grads are pinned to the params' layouts. There, as in plain ``jax.jit``,
+    lay values out with ``jax.sharding.reshard``, not
+    ``with_sharding_constraint``.
 
     It keeps no state. The key of each step is derived from ``seed`` (a
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
@@ -192,8 +198,13 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           step: Any, has_aux: bool, argnums: int | Sequence[int],
           batch_argnums: int | Sequence[int] | None, param_specs: Any,
           microbatches: int, skip_options: dict[str, Any],
-          describe: Callable[[int], str] = "argument {}".format) -> Callable[..., Any]:
-    """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
+          describe: Callable[[int], str] = "argument {}".format,
+          state_path: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``.
+
+    ``state_path``: the key path (indices) of the output that is the model's
+    state, not the user's aux (its rows are not per example).
+    """
     mesh = _resolve_mesh(mesh)
     axes = mesh_axes(mesh, _resolve_axis(axis_name, mesh), api=_API)
     if len(axes) > 2:
@@ -213,7 +224,6 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             f"{_API}: argnums={argnums!r} and batch_argnums={batch_argnums!r} "
             f"share {both}: params are replicated over {axis_name!r}, the "
             "batch is split over it. Take the params out of batch_argnums.")
-    grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
     single = isinstance(argnums, (int, np.integer))
     ranks = math.prod(mesh.shape[a] for a in axes)
 
@@ -249,36 +259,98 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         if ranks == 1:
             # One rank: the gradient is already the global one (and XLA's
             # partitioner refuses an all-reduce over a size-1 manual axis).
+            grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
             return accumulate(grad, args, batch, microbatches, has_aux=has_aux)
         specs = _param_specs(params, param_specs, mesh, axes)
         rows = {leaf.shape[0] for i in batch
                 for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
-        checked = []
+        # The loss, traced once as the caller's jit sees it, on one rank's
+        # (micro-)batch; replayed per rank below.
+        traced = trace(fun, [_shapes(a, ranks * microbatches if i in batch else 1)
+                             for i, a in enumerate(args)],
+                       [i in batch for i in range(len(args))],
+                       mesh, axes)
+        _refuse_closed_over_batch(traced.consts, rows)
+        _warn_global_divisor(traced, rows, ranks)
+        return run(traced, step, args, batch, params, specs)
 
-        def local(step, *local_args):
-            """One rank: local value and grads, reduced by skip_reduce."""
-            if not checked:  # the first (abstract) trace
-                checked.append(True)
-                _refuse_closed_over_batch(fun, local_args, rows)
-            local_params = _params_of(local_args, params_at, single)
-            local_args = list(local_args)
-            for i in params_at:
-                local_args[i] = to_varying(local_args[i], axes)
-            with counting_over(axes), _shards.hints(
-                    jax.tree_util.tree_leaves(local_params), specs):
-                out, grads = accumulate(grad, local_args, batch, microbatches,
-                                        has_aux=has_aux)
+    def run(traced, step, args, batch, params, specs):
+        """The traced loss per rank (its own gradients), then the ring."""
+        split = data_spec(axes)
+        grad = jax.value_and_grad(replay(traced, markers(axes)), argnums=argnums,
+                                  has_aux=has_aux)
+        sample = traced.out_tree.unflatten([0] * traced.out_tree.num_leaves)
+        per_rank = per_rank_flags(sample)
+        stacked = [v or f for v, f in zip(traced.out_varying, per_rank, strict=True)]
+        with_paths = jax.tree_util.tree_flatten_with_path(sample)[0]
+        for (path, _), f, aval in zip(with_paths, per_rank, _out_avals(traced), strict=True):
+            if f and not aval.ndim:
+                raise ValueError(
+                    f"{_API}: skipreduce_jax.PerRank at {_where(path)} holds a "
+                    "scalar. PerRank is for per-example rows (a leading batch "
+                    "dimension), which come back as every rank's rows in the "
+                    "global batch's order; return a scalar unwrapped (it comes "
+                    "back as the mean over ranks).")
+
+        def local(consts, *local_args):
+            """One rank's value, aux and gradients: its own, not summed."""
+            out, grads = accumulate(lambda *a: grad(*a, consts), local_args, batch,
+                                    microbatches, has_aux=has_aux)
+            leaves = [x[None] if s else x
+                      for x, s in zip(jax.tree_util.tree_leaves(out), stacked, strict=True)]
+            return leaves, jax.tree_util.tree_map(lambda g: g[None], grads)
+
+        def reduce(step, local_params, grads, outs):
+            """The ring over the ranks' gradients; the mean of their values."""
+            grads = jax.tree_util.tree_map(lambda g: g[0], grads)
+            with _shards.hints(jax.tree_util.tree_leaves(local_params), specs):
                 state = tx.init(local_params)._replace(count=step)
                 grads, _ = tx.update(grads, state, local_params)
-            return mean_over_ranks(out, axes, _local_rows(local_args, batch)), grads
+            return [lax.psum(x[0], axes) if total else
+                    _mean_over_ranks(x[0], path, axes, rows if not _under(path, state_path)
+                                     else set())
+                    for x, path, total in zip(outs, mean_paths, sums, strict=True)], grads
 
-        try:
-            return _mapped(step_body(local), mesh, axes, step, args, batch, params, specs)
-        except NotImplementedError as e:  # JAX's, for a closure over Explicit axes
-            if "Closing over inputs to shard_map" not in str(e):
-                raise
-            raise ValueError(_CLOSED_OVER.format(
-                what="an array sharded over Explicit axes")) from e
+        mean_at = [i for i, (v, f) in enumerate(zip(traced.out_varying, per_rank,
+                                                    strict=True)) if v and not f]
+        mean_paths = [with_paths[i][0] for i in mean_at]
+        # An aux leaf that is a sum over the batch (a count, a summed loss)
+        # is summed over the ranks; the value and other leaves averaged.
+        sums = [i > 0 and traced.out_sums[i] for i in mean_at]
+        rows = {r // microbatches for r in _local_rows(args, batch, ranks)}
+
+        def pipeline(step, consts, *args):
+            in_specs = ([P()] * len(consts),) + tuple(
+                _specs_like(a, split if i in batch else P()) for i, a in enumerate(args))
+            outs, grads = jax.shard_map(
+                local, mesh=mesh if not explicit else None, in_specs=in_specs,
+                out_specs=([split if s else P() for s in stacked], split),
+                axis_names=set(axes), check_vma=False)(consts, *args)
+            means, grads = jax.shard_map(
+                reduce, mesh=mesh if not explicit else None,
+                in_specs=(P(), P(), split, split), out_specs=(P(), P()),
+                axis_names=set(axes), check_vma=True)(
+                    step, _params_of(args, params_at, single), grads,
+                    [outs[i] for i in mean_at])
+            for i, m in zip(mean_at, means, strict=True):
+                outs[i] = m
+            outs = [jnp.reshape(x, (-1,) + x.shape[2:]) if f else x
+                    for x, f in zip(outs, per_rank, strict=True)]
+            return traced.out_tree.unflatten(outs), grads
+
+        explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                         if t == jax.sharding.AxisType.Explicit)
+        if not explicit:
+            return pipeline(step, traced.consts, *args)
+        # Under Explicit axes a (partial-manual) shard_map takes its inputs
+        # only as Auto (on the context mesh auto_axes sets); the outputs are
+        # pinned to the layouts they have: the grads the params'.
+        grad_shardings = jax.tree_util.tree_structure(params).unflatten(
+            [NamedSharding(mesh, s or P()) for s in specs])
+        out_shardings = traced.out_tree.unflatten(
+            [NamedSharding(mesh, split if f else P()) for f in per_rank])
+        return jax.sharding.auto_axes(pipeline, axes=explicit, out_sharding=(
+            out_shardings, grad_shardings))(step, traced.consts, *args)
 
     return wrapped
 
@@ -312,17 +384,37 @@ def _resolve_axis(axis_name: AxisNames | None, mesh: Any) -> AxisNames:
         "slow links).")
 
 
-def _refuse_closed_over_batch(fun: Callable[..., Any], local_args: Sequence[Any],
-                              rows: set[int]) -> None:
-    """Refuses a loss that closes over the batch (called in the per-rank body).
+def _warn_global_divisor(traced: Any, rows: set[int], ranks: int) -> None:
+    """Warns of a loss divided by the global batch's rows (``/ 64.0``).
+
+    The loss runs on each rank's rows and the value is their mean over
+    ranks: a rank's sum divided by the global row count comes back 1/N of
+    ``jax.value_and_grad``'s, gradients too.
+    """
+    d = divisor(traced, 0)
+    if d is None or not any(d == r for r in rows) or any(d == r // ranks for r in rows):
+        return
+    warnings.warn(
+        f"{_API}: the loss is divided by {d:g}, the global batch's rows, but it runs "
+        f"on each rank's {int(d) // ranks} rows and comes back as the mean over "
+        f"ranks: its value and gradients would be 1/{ranks} of jax.value_and_grad's. "
+        f"Divide by skipreduce_jax.mean_count({d:g}) (exact), or use jnp.mean.",
+        GlobalDivisorWarning, stacklevel=4)
+
+
+class GlobalDivisorWarning(UserWarning):
+    """A loss divided by the global batch's size where it runs per rank."""
+
+
+def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
+    """Refuses a loss that closes over the batch (its traced ``consts``).
 
     A traced array of the caller's jit that ``fun`` closes over reaches
     every rank whole: a closed-over batch would be computed in full on each
     rank, and every rank would hold the same gradient. ``rows``: the global
     batch arguments' leading dimensions (empty: no batch argument).
     """
-    _, closed = jax.closure_convert(fun, *local_args)
-    closed = [c for c in closed if isinstance(c, jax.core.Tracer)]
+    closed = [c for c in consts if isinstance(c, jax.core.Tracer)]
     for leaf in closed:
         if not np.ndim(leaf) or (rows and leaf.shape[0] not in rows):
             continue
@@ -340,100 +432,79 @@ def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> A
     return args[params_at[0]] if single else tuple(args[i] for i in params_at)
 
 
-def _mapped(local: Callable[..., Any], mesh: jax.sharding.Mesh,
-            axes: tuple[str, ...], step: Any, args: tuple, batch: Sequence[int],
-            params: Any, specs: list[P | None]) -> Any:
-    """``local`` run per rank: manual over ``axes``, the rest the compiler's.
-
-    ``params`` and their ``specs`` over the compiler's axes give the grads'
-    layouts.
-    """
-    split = data_spec(axes)
-    in_specs = (P(),) + tuple(
-        jax.tree_util.tree_map(lambda _: split, a) if i in batch else
-        jax.tree_util.tree_map(lambda _: P(), a) for i, a in enumerate(args))
-    explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                     if t == jax.sharding.AxisType.Explicit)
-
-    def run(fn, out_specs, out_shardings):
-        if not explicit:
-            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 axis_names=set(axes), check_vma=True)(step, *args)
-        # Under Explicit axes a (partial-manual) shard_map takes its inputs
-        # only as Auto (on the context mesh auto_axes sets), and its outputs
-        # are pinned to their layouts.
-        return jax.sharding.auto_axes(
-            jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
-                          axis_names=set(axes), check_vma=True),
-            axes=explicit, out_sharding=out_shardings)(step, *args)
-
-    found = {}
-
-    def probe(*a):
-        found["value"] = local(*a)[0]
-        return ()
-
-    # A first, abstract trace finds which leaves of the value and aux are per
-    # rank; the caller's jit caches both traces.
-    jax.eval_shape(lambda: run(probe, (), ()))
-    out_specs = (_out_specs(found["value"], split), P())
-    grad_shardings = jax.tree_util.tree_structure(params).unflatten(
-        [NamedSharding(mesh, s or P()) for s in specs])
-    return run(local, out_specs, (jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, s), out_specs[0]), grad_shardings))
+def markers(axes: tuple[str, ...]) -> dict[str, Callable[[Any, bool], Any]]:
+    """What the library's markers in a traced loss become on a rank."""
+    return {MEAN_COUNT: lambda count, varying: global_count(count, axes, varying),
+            RANK_KEY: lambda key, _: rank_key(key, axes)}
 
 
-def _out_specs(out: Any, split: P) -> Any:
-    """``P()`` for each leaf of the value and aux; ``split`` for PerRank rows."""
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    return treedef.unflatten([split if f else P()
-                              for f, _ in zip(per_rank_flags(out), leaves, strict=True)])
+def _shapes(arg: Any, parts: int) -> Any:
+    """``arg``'s leaves as shape-dtype structs, leading dimension / ``parts``."""
+    def one(x):
+        shape = np.shape(x)
+        if parts > 1:
+            shape = (shape[0] // parts,) + shape[1:]
+        return jax.ShapeDtypeStruct(shape, jax.typeof(x).dtype,
+                                    weak_type=jax.typeof(x).weak_type)
+    return jax.tree_util.tree_map(one, arg)
 
 
-def _local_rows(local_args: Sequence[Any], batch: Sequence[int]) -> set[int]:
-    """The leading dimensions of this rank's batch leaves."""
-    return {leaf.shape[0] for i in batch
-            for leaf in jax.tree_util.tree_leaves(local_args[i]) if np.ndim(leaf)}
+def _specs_like(tree: Any, spec: P) -> Any:
+    return jax.tree_util.tree_map(lambda _: spec, tree)
 
 
-def mean_over_ranks(out: Any, axes: tuple[str, ...], rows: Sequence[int] = ()) -> Any:
-    """The value and aux, each leaf the mean over ranks (PerRank: as it is).
+def _out_avals(traced: Any) -> list[Any]:
+    return [v.aval for v in traced.jaxpr.outvars]
 
-    A leaf whose leading dimension is that of this rank's batch looks per
+
+def _under(path: Any, prefix: tuple[int, ...]) -> bool:
+    """Is key ``path`` under the sequence indices ``prefix``?"""
+    return bool(prefix) and tuple(getattr(k, "idx", None)
+                                  for k in path[:len(prefix)]) == prefix
+
+
+def _where(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "the root"
+
+
+def _local_rows(args: Sequence[Any], batch: Sequence[int], ranks: int) -> set[int]:
+    """The leading dimensions of one rank's batch leaves."""
+    return {leaf.shape[0] // ranks for i in batch
+            for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
+
+
+def _mean_over_ranks(leaf: Any, path: Any, axes: tuple[str, ...],
+                     rows: set[int]) -> Any:
+    """One value or aux leaf that differs per rank: its mean over ranks.
+
+    A leaf whose leading dimension is that of a rank's batch looks per
     example (logits, per-token losses): its mean over ranks mixes the rows
     of different examples, so it is averaged with a warning naming PerRank.
     """
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        raise ValueError(
+            f"{_API}: the aux output at {_where(path)} ({leaf.dtype}) differs "
+            "per rank and is not a float, so it has no mean over ranks. Return "
+            "it as a float, or per rank, wrapped in skipreduce_jax.PerRank(x) "
+            "(rows of every rank concatenated).")
+    if np.ndim(leaf) and leaf.shape[0] in rows:
+        warnings.warn(
+            f"{_API}: the aux output at {_where(path)} of local shape "
+            f"{leaf.shape} has a row per example of this rank's batch; it "
+            "comes back as the mean over ranks of those rows, not one row "
+            "per example. For every rank's rows (global batch order) "
+            "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
+            "the loss (e.g. jnp.mean(x)).", stacklevel=5)
+    return lax.pmean(leaf, axes)
+
+
+def mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
+    """In a per-rank body: each leaf that differs per rank, its mean over ranks."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
-    leaves = []
-    for (path, leaf), per_rank in zip(with_paths, per_rank_flags(out), strict=True):
-        vary = tuple(a for a in axes if a in varying_axes(leaf))
-        if per_rank and not np.ndim(leaf):
-            raise ValueError(
-                f"{_API}: skipreduce_jax.PerRank at "
-                f"{jax.tree_util.keystr(path) or 'the root'} holds a scalar. PerRank "
-                "is for per-example rows (a leading batch dimension), which come "
-                "back as every rank's rows in the global batch's order; return a "
-                "scalar unwrapped (it comes back as the mean over ranks).")
-        if per_rank or not vary:
-            leaves.append(leaf)
-        elif jnp.issubdtype(leaf.dtype, jnp.inexact):
-            if np.ndim(leaf) and leaf.shape[0] in rows:
-                warnings.warn(
-                    f"{_API}: the aux output at "
-                    f"{jax.tree_util.keystr(path) or 'the root'} of local shape "
-                    f"{leaf.shape} has a row per example of this rank's batch; it "
-                    "comes back as the mean over ranks of those rows, not one row "
-                    "per example. For every rank's rows (global batch order) "
-                    "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
-                    "the loss (e.g. jnp.mean(x)).", stacklevel=4)
-            leaves.append(lax.pmean(leaf, vary))
-        else:
-            raise ValueError(
-                f"{_API}: the aux output at {jax.tree_util.keystr(path) or 'the root'} "
-                f"({leaf.dtype}) differs per rank and is not a float, so it has "
-                "no mean over ranks. Return it as a float, or per rank, wrapped "
-                "in skipreduce_jax.PerRank(x) (rows of every rank concatenated).")
-    return treedef.unflatten(leaves)
+    return treedef.unflatten([
+        _mean_over_ranks(leaf, path, vary, set()) if vary else leaf
+        for path, leaf in with_paths
+        for vary in [tuple(a for a in axes if a in varying_axes(leaf))]])
 
 
 def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,

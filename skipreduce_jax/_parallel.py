@@ -39,7 +39,7 @@ from skipreduce_jax import _shards
 from skipreduce_jax._count import counting_over
 from skipreduce_jax._guards import callback_error, host_checks_traced
 from skipreduce_jax._per_rank import per_rank_names
-from skipreduce_jax._step_context import step_body
+from skipreduce_jax._replay import RANK_KEY, mark, tracing_for_replay
 from skipreduce_jax._vma import varying_axes
 
 AxisNames = str | tuple[str, ...]
@@ -108,6 +108,8 @@ def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
             key = rank_key(key, "data")  # before any dropout
             ...
     """
+    if tracing_for_replay():  # value_and_grad's loss: folded in the body
+        return mark(RANK_KEY, key)
     index = 0
     for axis in as_tuple(axis_name):
         size = checks.axis_size(axis, api="rank_key")
@@ -498,7 +500,6 @@ class DataParallelStep:
                 if i not in self._batch]
         found = {}
 
-        @step_body  # the user's pjit-style sharding code, per rank
         def local(*local_flat):
             full = list(args)
             for i, value in zip(dynamic, in_tree.unflatten(local_flat),
@@ -547,7 +548,20 @@ class DataParallelStep:
 
         # A first, abstract trace finds the outputs' structure and layouts;
         # the outer jit caches both traces.
-        jax.eval_shape(mapped(probe, (), ()), *flat)
+        try:
+            jax.eval_shape(mapped(probe, (), ()), *flat)
+        except ValueError as e:
+            if not any(m in str(e) for m in _PJIT_ONLY):
+                raise
+            raise ValueError(
+                f"{self._api}: the step's code sets a sharding that names the data "
+                f"axes {list(axes)} (with_sharding_constraint, or flax unboxing a "
+                "partitioned kernel), which a per-rank step cannot trace: in it "
+                "each rank holds only its own rows, and the data axes are Manual. "
+                "Spell the constraint without the data axes, or keep the step "
+                "pjit code and take the gradients with skipreduce_jax."
+                "value_and_grad, which traces the loss as plain jax.jit code."
+                ) from e
         out_tree = found["tree"]
         rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
         out_specs = tuple(spec if r else P() for r in rows)
@@ -559,6 +573,11 @@ class DataParallelStep:
             out = [lax.with_sharding_constraint(o, NamedSharding(self._mesh, f))
                    for o, f in zip(out, full, strict=True)]
         return out_tree.unflatten(out)
+
+
+# JAX's and flax's errors for pjit-only sharding code traced per rank.
+_PJIT_ONLY = ("with_sharding_constraint", "manual_axis_type",
+              "only valid for values of rank at least")
 
 
 def _respell(x: Any, mesh: jax.sharding.Mesh, stripped: bool) -> Any:

@@ -229,7 +229,7 @@ def value_and_grad(
 
     def wrapped(model, *args):
         pure, params, others = _pure(loss_fn, model, wrt, axes, has_aux=has_aux,
-                                     rank_rngs=rank_rngs, mean_rest=True)
+                                     rank_rngs=rank_rngs)
         # pure(params, others, *args): the loss's argument i is at i + 1.
         batch = (tuple(range(2, len(args) + 2)) if given is None
                  else tuple(i + 1 for i in given))
@@ -237,7 +237,8 @@ def value_and_grad(
             pure, mesh, axis_name, step=step, has_aux=True, argnums=0,
             batch_argnums=batch, param_specs=param_specs, microbatches=1,
             skip_options=skip_options,
-            describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)")(
+            describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
+            state_path=(1, 1))(
                 params, others, *args)
         nnx.update(model, rest)
         return ((loss, aux) if has_aux else loss), grads

@@ -277,16 +277,21 @@ def test_a_param_sharded_over_the_data_axis_is_refused():
             w, jnp.ones((8, 8)))
 
 
-def test_integer_aux_that_differs_per_rank_is_refused():
+def test_integer_aux_that_differs_per_rank_is_refused_unless_a_sum():
+    """A count (a sum) is summed over ranks; another int has no mean."""
     mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
 
-    def loss(w, x):
-        return jnp.mean(w * x), jnp.sum(x > 3)
+    def run(aux):
+        loss = lambda w, x: (jnp.mean(w * x), aux(x))  # noqa: E731
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda w, x: sr.value_and_grad(
+                loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
+                1.0, jnp.arange(8.0))
 
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"PerRank"):
-        jax.jit(lambda w, x: sr.value_and_grad(
-            loss, mesh, "replica", step=0, num_skip=0, has_aux=True)(w, x))(
-            1.0, jnp.arange(8.0))
+    (_, count), _ = run(lambda x: jnp.sum(x > 3))
+    assert count.dtype == jnp.int32 and int(count) == 4
+    with pytest.raises(ValueError, match=r"PerRank"):
+        run(lambda x: jnp.argmax(x).astype(jnp.int32))
 
 
 def test_auto_axes_without_param_specs_still_sum_n_minus_k_ranks():

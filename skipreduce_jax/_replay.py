@@ -1,0 +1,333 @@
+"""A loss written for ``jax.jit``, run on each rank's rows without patching.
+
+:func:`value_and_grad` and :func:`make_train_step` compute each rank's
+local gradient inside a ``shard_map`` that is manual over the data axes.
+Code written for a plain ``jax.jit`` step cannot always be traced there:
+
+- ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with a
+  ``spec`` naming a data axis: JAX refuses it, since inside the body the
+  data axes are Manual;
+- flax's partitioning boxes constrain what they unbox, and they do so
+  whenever a mesh is set (inside a ``shard_map`` one always is).
+
+So :func:`per_rank` traces the loss *outside* the manual context, under
+the mesh the caller's step sees, on the shapes of one rank's arguments
+(``jax.make_jaxpr``), and evaluates that jaxpr inside the body. Each
+sharding constraint is applied there with the data axes dropped from its
+spec (a rank holds its own rows; what is left lays the value out over the
+compiler's axes). Control flow (``scan``, ``while``, ``cond``), ``jax.jit``
+and ``jax.checkpoint`` are replayed through their public functions, so the
+constraints inside them are respelled too. Nothing in JAX or flax is
+replaced: the user's functions run as they are, once, at trace time.
+
+:func:`mean_count` needs the data axes, which do not exist outside the
+body: while the loss is traced it leaves a marker (a ``jax.jit`` of the
+identity with a known name) that the replay turns into the global count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import Literal
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Markers: what the library's own functions leave in a traced loss where
+# they need the data axes, which exist only in the body.
+MEAN_COUNT = "skipreduce_mean_count"  # mean_count: the count made global
+RANK_KEY = "skipreduce_rank_key"      # rank_key: a key folded with the rank
+_PER_RANK_MARKS = {RANK_KEY}          # their values differ per rank
+# True while a loss is traced for replay: the markers are left.
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "skipreduce_tracing_for_replay", default=False)
+
+
+def tracing_for_replay() -> bool:
+    """Whether a loss is being traced by :func:`trace` (markers are left)."""
+    return _TRACING.get()
+
+
+def mark(name: str, x: Any) -> Any:
+    """``x``, marked ``name`` for the replay (a ``jax.jit`` of the identity)."""
+    return jax.jit(_IDENTITY[name])(x)
+
+
+def _identity(name: str) -> Callable[[Any], Any]:
+    def identity(x):
+        return x
+
+    identity.__name__ = identity.__qualname__ = name
+    return identity
+
+
+_IDENTITY = {name: _identity(name) for name in (MEAN_COUNT, RANK_KEY)}
+
+
+class Traced(NamedTuple):
+    """A loss traced on one rank's shapes: its jaxpr and what replays it."""
+
+    jaxpr: Any            # the ClosedJaxpr's open jaxpr
+    consts: list[Any]     # the arrays the loss closes over
+    at: list[int]         # positions of the array leaves among the arguments'
+    out_tree: Any
+    out_varying: list[bool]  # per output leaf: does it depend on the batch?
+    out_sums: list[bool]     # per output leaf: is its last operation a sum?
+    in_varying: list[bool]   # per array leaf: is it a batch leaf?
+
+
+def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
+          mesh: Any, axes: tuple[str, ...]) -> Traced:
+    """``fun`` traced under ``mesh`` on the shapes of one rank's ``args``.
+
+    Args:
+      fun: the user's function (a loss), written for a plain ``jax.jit``.
+      args: one rank's arguments (arrays or shape-dtype structs).
+      varying: per positional argument, whether it differs per rank (the
+        batch): which outputs depend on it is worked out from the jaxpr.
+      mesh: the step's mesh.
+      axes: its data axes.
+
+    It is traced with no mesh set, as a plain ``jax.jit`` step without
+    ``jax.set_mesh`` has it. A loss that itself reduces over the data axes
+    (BatchNorm with ``axis_name``) needs them bound: it is traced again with
+    them Manual, where a constraint naming them fails as JAX says.
+    """
+    leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    at = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    per_leaf = [v for a, v in zip(args, varying, strict=True)
+                for _ in jax.tree_util.tree_leaves(a)]
+
+    def flat(*arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        return fun(*in_tree.unflatten(full))
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype,
+                                   weak_type=getattr(leaves[i], "weak_type", False))
+              for i in at]
+    try:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), _tracing():
+            closed, out = jax.make_jaxpr(flat, return_shape=True)(*shapes)
+    except NameError as e:  # an unbound axis name: the loss's own collective
+        if not any(repr(a) in str(e) or f" {a}." in str(e) for a in axes):
+            raise
+        body = (mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh)
+        body = body.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
+                                       for a in body.axis_names})
+        with jax.sharding.use_abstract_mesh(body), _tracing():
+            closed, out = jax.make_jaxpr(
+                flat, return_shape=True,
+                axis_env=[(a, mesh.shape[a]) for a in axes])(*shapes)
+    in_varying = [per_leaf[i] for i in at]
+    return Traced(closed.jaxpr, list(closed.consts), at,
+                  jax.tree_util.tree_structure(out),
+                  _varying(closed.jaxpr, in_varying), _sums(closed.jaxpr), in_varying)
+
+
+def replay(traced: Traced, markers: dict[str, Callable[[Any, bool], Any]]) -> Callable[..., Any]:
+    """The traced loss as a function of (one rank's) arguments, in the body.
+
+    ``markers[name](x, varying)``: what a marker becomes (``varying``:
+    whether ``x`` depends on the batch). Closed-over arrays are passed as
+    the last argument (``consts``).
+    """
+
+    def replayed(*args_and_consts):
+        *args, consts = args_and_consts
+        leaves = jax.tree_util.tree_leaves(tuple(args))
+        arrays = [leaves[i] for i in traced.at]
+        outs = _eval(traced.jaxpr, consts, arrays, traced.in_varying, markers)
+        return traced.out_tree.unflatten(outs)
+
+    return replayed
+
+
+def _varying(jaxpr: Any, in_varying: Sequence[bool]) -> list[bool]:
+    """Per output of ``jaxpr``: does it depend on an input flagged varying?"""
+    flags = dict(zip(jaxpr.invars, in_varying, strict=True))
+    for eqn in jaxpr.eqns:
+        out = (any(flags.get(v, False) for v in eqn.invars if not isinstance(v, Literal))
+               or eqn.params.get("name") in _PER_RANK_MARKS)
+        flags.update((v, out) for v in eqn.outvars)
+    return [not isinstance(v, Literal) and flags.get(v, False) for v in jaxpr.outvars]
+
+
+def _sums(jaxpr: Any) -> list[bool]:
+    """Per output of ``jaxpr``: is it a sum (``jnp.sum``), maybe cast?"""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def is_sum(v):
+        eqn = producer.get(v)
+        while eqn is not None and eqn.primitive.name == "convert_element_type":
+            eqn = producer.get(eqn.invars[0])
+        return eqn is not None and eqn.primitive.name == "reduce_sum"
+
+    return [not isinstance(v, Literal) and is_sum(v) for v in jaxpr.outvars]
+
+
+def divisor(traced: Traced, i: int) -> float | None:
+    """The constant output ``i`` is divided by last (``x / 64.0``), if any."""
+    v = traced.jaxpr.outvars[i]
+    eqn = next((e for e in traced.jaxpr.eqns if v in e.outvars), None)
+    if eqn is None or eqn.primitive.name not in ("div", "mul"):
+        return None
+    other = eqn.invars[1]
+    if not isinstance(other, Literal) or np.ndim(other.val):
+        return None
+    value = float(other.val)
+    return value if eqn.primitive.name == "div" else (1 / value if value else None)
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[None]:
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer,
+                          jax.ShapeDtypeStruct))
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          varying: Sequence[bool], markers: dict[str, Callable[[Any, bool], Any]]) -> list[Any]:
+    """``jax.core.eval_jaxpr``, with constraints respelled and markers counted.
+
+    ``varying``: per input, whether it depends on the batch (for markers).
+    """
+    env: dict[Any, Any] = {}
+    flags: dict[Any, bool] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x, f in zip(jaxpr.invars, args, varying, strict=True):
+        env[v], flags[v] = x, f
+    for eqn in jaxpr.eqns:
+        in_flags = [not isinstance(v, Literal) and flags.get(v, False) for v in eqn.invars]
+        # Not under eqn.ctx: it holds the mesh of the trace, not the body's.
+        outs = _apply(eqn, [read(v) for v in eqn.invars], in_flags, markers)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        varying = any(in_flags) or eqn.params.get("name") in _PER_RANK_MARKS
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v], flags[v] = x, varying
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
+           markers: dict[str, Callable[[Any, bool], Any]]) -> Any:
+    """One equation, in the body."""
+    name, params = eqn.primitive.name, eqn.params
+
+    def sub(closed, flags=None):
+        # Control flow: a value depends on the batch if any input does.
+        return lambda *a: _eval(closed.jaxpr, closed.consts, a,
+                                flags or [any(in_flags)] * len(a), markers)
+
+    if name == "sharding_constraint":
+        return constrain(ins[0], params["sharding"])
+    if name in ("jit", "pjit"):
+        if params["name"] in markers:
+            return [markers[params["name"]](ins[0], in_flags[0])]
+        return sub(params["jaxpr"], in_flags)(*ins)
+    if name == "scan":
+        consts, n = params["num_consts"], params["num_carry"]
+        body = sub(params["jaxpr"])
+
+        def step(carry, x):
+            out = body(*ins[:consts], *carry, *x)
+            return out[:n], out[n:]
+
+        carry, ys = lax.scan(step, ins[consts:consts + n], ins[consts + n:],
+                             length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+        return [*carry, *ys]
+    if name == "while":
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        cond, body = sub(params["cond_jaxpr"]), sub(params["body_jaxpr"])
+        return lax.while_loop(lambda c: cond(*ins[:cn], *c)[0],
+                              lambda c: body(*ins[cn:cn + bn], *c),
+                              ins[cn + bn:])
+    if name == "cond":
+        return lax.switch(ins[0], [sub(b) for b in params["branches"]], *ins[1:])
+    if name == "remat2":
+        inner = params["jaxpr"]
+        return jax.checkpoint(
+            lambda *a: _eval(inner, (), a, in_flags, markers),
+            prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
+    params = {k: _rehomed(v) if isinstance(v, NamedSharding) else v
+              for k, v in params.items()}
+    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+
+
+def _rehomed(sharding: NamedSharding) -> NamedSharding:
+    """An output sharding of the trace's mesh, on the body's (its axes Auto)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if t == AxisType.Auto]
+    return NamedSharding(mesh, _keeping(list(sharding.spec), auto))
+
+
+def constrain(x: Any, sharding: Any) -> Any:
+    """A constraint of the caller's mesh, applied to one rank's value.
+
+    The body's mesh has the data axes Manual: they are dropped from the
+    spec. What is left constrains ``x`` over the compiler's Auto axes
+    (``with_sharding_constraint``) and sets its layout over Explicit ones
+    (``jax.sharding.reshard``); with every axis manual ``x`` is returned.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if isinstance(sharding, NamedSharding):
+        theirs = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+        ours = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        if theirs != ours:
+            raise ValueError(
+                "with_sharding_constraint in the loss: the sharding's mesh has "
+                f"axes {theirs}, the step's mesh {ours}. Constrain with the mesh "
+                "the step runs on (NamedSharding(mesh, spec)), or a bare "
+                "PartitionSpec under jax.set_mesh(mesh).")
+        spec = sharding.spec
+    else:
+        return lax.with_sharding_constraint(x, sharding)  # JAX decides
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = [a for a, t in types.items() if t == AxisType.Explicit]
+    auto = [a for a, t in types.items() if t == AxisType.Auto]
+    entries = list(spec) + [None] * (x.ndim - len(spec))
+    if explicit:
+        current = getattr(getattr(jax.typeof(x), "sharding", None), "spec", P())
+        current = list(current) + [None] * (x.ndim - len(current))
+        layout = [(current[i] if e is P.UNCONSTRAINED else e)
+                  for i, e in enumerate(entries)]
+        target = _keeping(layout, explicit)
+        if target != _keeping(current, explicit):
+            x = jax.sharding.reshard(x, target)
+    if auto:
+        x = lax.with_sharding_constraint(x, NamedSharding(mesh, _keeping(entries, auto)))
+    return x
+
+
+def _keeping(entries: list[Any], axes: list[str]) -> P:
+    """The spec of ``entries`` naming only ``axes`` (others dropped)."""
+    kept = []
+    for entry in entries:
+        if entry is None or entry is P.UNCONSTRAINED:
+            kept.append(entry)
+            continue
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                      if a in axes)
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*kept)
