@@ -73,3 +73,11 @@ intersphinx_mapping = {
     "optax": ("https://optax.readthedocs.io/en/latest/", _inventory("optax")),
     "flax": ("https://flax.readthedocs.io/en/latest/", _inventory("flax")),
 }
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+
+# Sphinx spells an alias of autodoc_type_aliases nested in a union or a
+# Callable by its repr, "TypeAliasForwardRef('PyTree')"; spell it by name.
+from sphinx.util import inspect as _sphinx_inspect  # noqa: E402
+
+_sphinx_inspect.TypeAliasForwardRef.__repr__ = lambda self: self.name
