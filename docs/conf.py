@@ -2,6 +2,7 @@
 
 import pathlib
 import sys
+import re
 import zlib
 
 DOCS = pathlib.Path(__file__).resolve().parent
@@ -73,3 +74,18 @@ intersphinx_mapping = {
     "optax": ("https://optax.readthedocs.io/en/latest/", _inventory("optax")),
     "flax": ("https://flax.readthedocs.io/en/latest/", _inventory("flax")),
 }
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+
+
+
+def _alias_by_name(app, what, name, obj, options, signature, return_annotation):
+    """Sphinx spells an alias of autodoc_type_aliases nested in a union or a
+    Callable by its repr, "TypeAliasForwardRef('PyTree')"; spell it by name."""
+    def spelled(text):
+        return text and re.sub(r"TypeAliasForwardRef\('([\w.]+)'\)", r"\1", text)
+    return spelled(signature), spelled(return_annotation)
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _alias_by_name)

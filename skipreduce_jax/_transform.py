@@ -168,137 +168,54 @@ def skip_reduce(
 ) -> optax.GradientTransformationExtraArgs:
     """SkipReduce gradient averaging, in place of the data-parallel all-reduce.
 
-    Give exactly one of ``num_skip`` and ``skip_ratio``.
+    Give exactly one of ``num_skip`` and ``skip_ratio``. Each option's
+    default, when to change it and a recommended value are in
+    :ref:`the options table <skip-reduce-options>`, each described in full
+    :ref:`below it <skip-reduce-option-details>`; the guides show them in a
+    :doc:`jit loop </guides/jit-loop>` and in :doc:`sharded training
+    </guides/sharded>`.
+
+    BatchNorm: a skipped leaf that feeds a BatchNorm with statistics over the
+    data axis drifts; ``exact_radial`` (on by default there) prevents it, and
+    ``init`` warns (:class:`BatchNormWarning`) where nothing does
+    (:ref:`skip-reduce-batchnorm`).
 
     Args:
       axis_name: the data-parallel mesh axis (the slow one with
         ``inner_axis``).
-      num_skip: k, reduce-scatter steps skipped, an int in [0, N - 1] (checked
-        against the axis size at trace time).
-      skip_ratio: fraction of the N - 1 reduce-scatter steps to skip, in
-        [0, 1]; resolved at trace time to ``k = floor(skip_ratio * (N - 1) +
-        0.5)`` (round half up): 0.5 on 8 ranks gives k = 4. The ratio is
-        first read as the nearest fraction with a denominator up to
-        max(10**6, N - 1), so decimal ratios round as written (0.7 of 45
-        steps gives 32).
-      seed: an int in [0, 2**32); the key of skipped step t (counted from
-        the end of the warm-up) is ``fold_in(key(seed), t // L)``
-        (``balanced_draw``; the skipped reduce-scatter of ``params_sharded``
-        folds in ``1 << 30`` and uses ``scatter_period``; L = 1 and t the
-        step count with ``balanced=False``): the same on every rank and
-        process. Use
-        the same seed everywhere; give two ``skip_reduce`` in one optimizer
-        (e.g. in ``optax.multi_transform``) different seeds, or their drops
-        are correlated.
+      num_skip: k, the reduce-scatter steps skipped, an int in [0, N - 1].
+      skip_ratio: the fraction of the N - 1 reduce-scatter steps to skip,
+        rounded half up to k: 0.5 on 8 ranks gives k = 4.
+      seed: an int in [0, 2**32), the same on every rank and process; two
+        ``skip_reduce`` in one optimizer need different seeds.
       randomize: False is static SkipReduce (biased; for comparison).
-      balanced: Random's schedule balanced over periods of L = N / gcd(N,
-        N - k) steps (:func:`ring_period`; 2 at a 50% skip ratio): one key
-        per period, and each step the windows of summed ranks move N - k
-        ranks on, so over a period every rank is summed into every element
-        equally often. Each step's drop is as likely as with False (the
-        paper's schedule, a fresh draw every step), but what a rank's steady
-        deviation from the mean (non-IID data) puts into one step's mean, the
-        period's other steps take out: on non-IID ranks Random then needs
-        fewer steps than the information bound, where with False it never
-        reached the all-reduce's loss (``benchmarks/convergence.md``). No
-        bytes, memory or compute.
-      selective: which leaves may be skipped (True) or get a full all-reduce
-        (False): a pytree (or prefix) of bools, a callable ``params -> pytree
-        of bools``, or :func:`by_path` / :func:`exclude`. Sensitive layers
-        (embeddings, the first conv) are the usual exclusions.
-      min_size: leaves with fewer elements always get a full all-reduce (the
-        authors use 100k).
-      warmup_steps: full all-reduce for the first steps, then skipping. Both
-        paths are compiled once; ``lax.cond`` picks one per step.
-      error_feedback: keep, per rank, what skipping left out of the local
-        gradient and add it to the next step's (beyond the paper). The mean
-        then divides by N, not by the N - k ranks summed: every value is
-        delivered once, now or later. The residual lives in the state and
-        varies over ``axis_name``; place it with :func:`state_specs`. A step
-        whose update is not finite leaves every residual as it was, and a
-        NaN or Inf left out of a finite update is not carried, so a
-        non-finite value is never carried into later steps (with
-        ``check_finite`` and ``optax.apply_if_finite`` such a step is
-        skipped whole).
-      exact_radial: per index of a kernel's last axis (its output channel),
-        make two components of the update exact: along that channel's
-        weights, and along the uniform direction (which stands for the
-        channel's mean input); one more all-reduce of two float32 per
-        channel, and vectors (biases, norm scales) get a full all-reduce.
-        It needs ``params`` in ``update``. This is the BatchNorm remedy that
-        keeps the convs skipped (see below); for other layers it is two more
-        exact directions per channel. None (the default): on when the params
-        hold BatchNorm parameters and ``update`` gets them, unless
-        ``error_feedback`` or ``params_sharded``.
-      inner_axis: hierarchical SkipReduce: a fast axis summed in full; only
-        ``axis_name`` is skipped.
-      chunks_per_rank: sub-chunks per ring slot, each placed by its own
-        draw (see :func:`skip_psum`; None: about one per 256 elements, at
-        most 64). 1 moves whole slots: fewer, larger drops per element.
-      bucket_bytes: byte cap of one packed gradient buffer.
-      accumulate_dtype: e.g. ``jnp.float32`` to sum bfloat16 gradients in
-        float32, in the skipped ring and in the full all-reduces alike (they
-        send the wider dtype; the ring's gather sends the gradients' own).
-        A leaf wider than it is summed in its own dtype.
-      check_finite: one tiny extra all-reduce per step: if any rank's local
-        gradient holds a NaN or Inf (or, with ``comm_dtype=jnp.float16``, a
-        sum overflowed the wire), every element of the update becomes NaN
-        on every rank. Without it a non-finite value reaches only the
-        elements where its rank was summed, and vanishes where it was
-        left out. To skip such steps, chain ``optax.apply_if_finite(opt, n)``
-        after ``skip_reduce`` (it then sees replicated values).
-      params_sharded: the params are sharded over ``axis_name`` (FSDP /
-        ZeRO): for a param that is this rank's 1/N block along its leading
-        axis (its gradient is the whole leaf), the update is this rank's
-        block of the mean, from :func:`skip_psum_scatter`; other params keep
-        the all-reduce. The block's owner is always summed, so with Random
-        and without error feedback its value is weighed by
-        ``(N - 1 - k) / (N - 1)``, the chance of each other rank: every rank
-        then weighs 1 / N in expectation. Selection (``min_size``) counts
-        whole leaves, and error feedback keeps what was left out of the
-        whole local gradient.
-        With ``inner_axis`` (FSDP over every device, the slow axis outer)
-        a sharded param is the 1/(N L) block of ``P((axis_name,
-        inner_axis))``: reduce-scattered in full over the inner axis, then
-        skipped over ``axis_name``.
-      verify_sync: for debugging; it changes no update: every step,
-        compare the step count, key and settings across ranks (two
-        all-reduces of a few words) and raise if they differ (the training
-        steps then wait for each call, to raise it there as a plain
-        ``RuntimeError``).
-      comm_dtype: e.g. ``jnp.bfloat16``: what the skipped ring sends over
-        ``axis_name`` for float32 gradients (half the bytes). Each hop
-        receives it, adds in ``accumulate_dtype`` (float32 when None) and
-        rounds once to send; the result returns in the gradients' dtype (see
-        ``skip_psum``). Leaves that take the full all-reduce (``min_size``,
-        ``selective``, warm-up, ``num_skip=0``) are averaged by ``lax.pmean``
-        as without it. It may not be wider than any skipped gradient.
-        float16 can overflow where float32 would not (a sum beyond 65504
-        crosses as Inf): then the update of every skipped leaf is NaN, on
-        every rank alike, never Inf in some elements; chain
-        ``optax.apply_if_finite(opt, n)`` after ``skip_reduce`` to skip such
-        steps (its state counts them), and add ``check_finite=True`` to make
-        the whole update NaN. bfloat16 has float32's range and is never
-        checked.
-      layout: how the skipped leaves are packed for the ring (see
-        ``skip_psum``): ``"flat"`` (the default), or ``"units"``: a leaf of
-        two or more dimensions with its last axis (its output units) first,
-        so the gradient of one output unit's weights comes from one set of
-        ranks. With ``chunks_per_rank=1`` whole runs of units share their
-        drop. Bytes, ring and schedule are the same. On the over-fitting
-        MLP of ``docs/convergence.md`` it did not close Random's
-        validation gap (``error_feedback`` did).
-
-    BatchNorm: with batch statistics averaged over the data axis, a skipped
-    leaf that feeds a BatchNorm (the conv or dense layer before it)
-    random-walks along the norm's bias and scale directions, and evaluation
-    with the running statistics degrades. Give such leaves a full all-reduce
-    (``selective=exclude("Conv")``), or pass ``error_feedback=True``, or
-    normalize with each rank's own statistics. ``init`` warns
-    (:class:`BatchNormWarning`) when the params hold BatchNorm parameters
-    (a path containing ``BatchNorm``, as flax.linen names them; the layer
-    types with ``skipreduce_jax.nnx.init_optimizer``), ``selective`` is left
-    at its default and any other leaf may be skipped without error feedback.
+      balanced: True balances Random's drops over periods of
+        :func:`ring_period` steps; False draws afresh every step (the paper).
+      selective: which leaves may be skipped: a pytree of bools, a callable,
+        :func:`by_path` or :func:`exclude`.
+      min_size: leaves with fewer elements get a full all-reduce; pass 0 for
+        small models.
+      warmup_steps: a full all-reduce for the first steps, then skipping.
+      error_feedback: each rank adds what skipping left out to its next
+        step; per-rank state, placed by :func:`state_specs`.
+      exact_radial: each output channel's update exact along its weights and
+        its mean input; None: on where the params hold a BatchNorm.
+      inner_axis: a fast axis summed in full (hierarchical SkipReduce).
+      chunks_per_rank: sub-chunks per ring slot, each placed by its own draw
+        (see :func:`skip_psum`).
+      bucket_bytes: the byte cap of one packed gradient buffer.
+      accumulate_dtype: the dtype the sums are added in, e.g.
+        ``jnp.float32`` for bfloat16 gradients; it never narrows a leaf.
+      check_finite: a NaN or Inf on any rank makes the whole update NaN, for
+        ``optax.apply_if_finite`` to skip.
+      params_sharded: the params are sharded over ``axis_name`` (FSDP); see
+        :doc:`sharded training </guides/sharded>`.
+      verify_sync: debugging only: compare the step, key and settings across
+        ranks every step and raise if they differ.
+      comm_dtype: what the skipped ring sends, e.g. ``jnp.bfloat16`` (half
+        the bytes of float32 gradients).
+      layout: ``"flat"`` (the default) or ``"units"``: how the skipped leaves
+        are packed for the ring.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with a
