@@ -248,6 +248,7 @@ def _reduce(
     phase: Any = 0,
     comm_dtype: Any = None,
     layout: str = "flat",
+    in_place: bool = True,
 ) -> Any:
     """The shared body of the public reductions.
 
@@ -256,13 +257,14 @@ def _reduce(
     where they are summed), shaped like ``tree``, i.e. ``tree *
     ~contribution_mask``. It is computed on the packed buffers (see
     :func:`_left_out`). Leaves sharded over the compiler's mesh axes are
-    reduced shard by shard (see ``_shards.py``).
+    reduced shard by shard (see ``_shards.py``). ``in_place``: how Random's
+    slots are put back after the native gather (:func:`_ring.put_in_slot_order`).
     """
     kwargs = dict(inner_axis=inner_axis, num_skip=num_skip, randomize=randomize,
                   scale=scale, chunks_per_rank=chunks_per_rank,
                   bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
                   gather=gather, api=api, with_left_out=with_left_out,
-                  comm_dtype=comm_dtype, layout=layout)
+                  comm_dtype=comm_dtype, layout=layout, in_place=in_place)
     sharded = _sharded(tree, axis_name, inner_axis, specs, key, phase, api,
                        lambda local, k, ph: _reduce(local, axis_name, key=k, phase=ph,
                                                     **kwargs),
@@ -298,12 +300,14 @@ def _reduce(
             shard = shard * jnp.asarray(scale, acc_dtype)
         if sent is not None:  # every rank gets the one rounding of each sum
             out = _ring.gather(shard.astype(gathered), schedule, axis_name,
-                               method=gather, packed=True).astype(bucket.dtype)
+                               method=gather, packed=True,
+                               in_place=in_place).astype(bucket.dtype)
         elif shard.dtype != bucket.dtype:
-            out = _gather_narrow(axis_name, gather, bucket.dtype, shard,
-                                 schedule)
+            out = _gather_narrow(axis_name, gather, bucket.dtype, in_place,
+                                 shard, schedule)
         else:
-            out = _ring.gather(shard, schedule, axis_name, method=gather)
+            out = _ring.gather(shard, schedule, axis_name, method=gather,
+                               in_place=in_place)
         if inner_axis is not None:
             out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
@@ -421,9 +425,10 @@ def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
     return tuple(treedef.unflatten(o) for o in out)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _gather_narrow(axis_name: str, method: _ring.Gather, dtype: np.dtype,
-                   shard: jax.Array, schedule: SkipSchedule) -> jax.Array:
+                   in_place: bool, shard: jax.Array, schedule: SkipSchedule
+                   ) -> jax.Array:
     """Gathers ``shard`` (summed in a wider dtype) as ``dtype``.
 
     It gathers the narrow dtype's bits: XLA would otherwise move the cast
@@ -432,16 +437,19 @@ def _gather_narrow(axis_name: str, method: _ring.Gather, dtype: np.dtype,
     """
     bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
     shard = lax.bitcast_convert_type(shard.astype(dtype), bits)
-    out = _ring.gather(shard, schedule, axis_name, method=method)
+    out = _ring.gather(shard, schedule, axis_name, method=method,
+                       in_place=in_place)
     return lax.bitcast_convert_type(out, dtype)
 
 
 @_gather_narrow.defjvp
-def _gather_narrow_jvp(axis_name, method, dtype, primals, tangents):
+def _gather_narrow_jvp(axis_name, method, dtype, in_place, primals, tangents):
     shard, schedule = primals
+    # The gather form of the reorder: a loop cannot be transposed.
     tangent = _ring.gather(tangents[0].astype(dtype), schedule, axis_name,
-                           method=method)
-    return _gather_narrow(axis_name, method, dtype, shard, schedule), tangent
+                           method=method, in_place=False)
+    return (_gather_narrow(axis_name, method, dtype, in_place, shard, schedule),
+            tangent)
 
 
 def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
@@ -744,7 +752,7 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            accumulate_dtype: Any = None, gather: _ring.Gather = "native",
            specs: Any = None, comm_dtype: Any = None, layout: str = "flat",
-           api: str, with_left_out: bool = False) -> Any:
+           api: str, with_left_out: bool = False, in_place: bool = True) -> Any:
     check_normalize(normalize, api=api)
     _check_floating(jax.tree_util.tree_leaves(x), api)
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
@@ -755,7 +763,21 @@ def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
         randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
         bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
         gather=gather, api=api, specs=specs, with_left_out=with_left_out,
-        phase=phase, comm_dtype=comm_dtype, layout=layout)
+        phase=phase, comm_dtype=comm_dtype, layout=layout, in_place=in_place)
+
+
+def pmean_for_update(x: PyTree, axis_name: str, *, with_left_out: bool = False,
+                     **kwargs: Any) -> Any:
+    """:func:`skip_pmean` (or ``skip_pmean_and_left_out``) for ``skip_reduce``.
+
+    Its result goes straight into the optimizer's update in the same
+    program, so Random's reorder stays an XLA gather, which XLA fuses into
+    that update (the collectives' in-place loop cannot be fused). Same
+    values, same bytes.
+    """
+    api = "skip_pmean_and_left_out" if with_left_out else "skip_pmean"
+    return _pmean(x, axis_name, **kwargs, api=api, with_left_out=with_left_out,
+                  in_place=False)
 
 
 def contribution_mask(

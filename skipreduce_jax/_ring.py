@@ -200,6 +200,7 @@ def gather(
     *,
     method: Gather,
     packed: bool = False,
+    in_place: bool = True,
 ) -> jax.Array:
     """Gathers every rank's reduced ring chunk and puts slots back in order.
 
@@ -214,6 +215,8 @@ def gather(
         values are the same on every rank but JAX types them as varying.
       packed: send ``shard`` (a ``comm_dtype`` value) with
         :func:`send_narrow`: packed in uint32 words on CPU.
+      in_place: with ``"native"``, how a randomized schedule's slots are put
+        back (:func:`put_in_slot_order`).
 
     Returns:
       The flat reduced buffer of ``N * C * m`` elements, in slot order.
@@ -225,7 +228,8 @@ def gather(
     if method == "native":
         by_chunk = move(shard, functools.partial(all_gather_replicated,
                                                  axis_name=axis_name))
-        return put_in_slot_order(by_chunk, schedule).reshape(-1)
+        return put_in_slot_order(by_chunk, schedule,
+                                 in_place=in_place).reshape(-1)
     if method != "ring":
         raise ValueError(f"gather={method!r}: use 'native' or 'ring'.")
     rank = lax.axis_index(axis_name)
@@ -265,17 +269,65 @@ def _place(out: jax.Array, chunk_values: jax.Array, chunk: jax.Array,
     return lax.fori_loop(0, schedule.chunks_per_rank, put_column, out)
 
 
-def put_in_slot_order(by_chunk: jax.Array, schedule: SkipSchedule) -> jax.Array:
+def put_in_slot_order(by_chunk: jax.Array, schedule: SkipSchedule, *,
+                      in_place: bool = True) -> jax.Array:
     """Reorders ``[N ring chunks, C, m]`` into ``[N slots, C, m]``.
 
-    A no-op for a static schedule. For a randomized one it is one pass over
-    the whole buffer, and no layout avoids it: the all-gather puts rank r's
-    chunk at block r, so a natural-order result needs every element of block
-    r to end on rank r, and rank r's chunk always sums ranks r - T, ..., r
-    (the static pattern). Randomizing which ranks an element drops therefore
-    means moving it after the gather.
+    A no-op for a static schedule. For a randomized one it moves every
+    column whose offset is not zero, and no layout avoids that: the
+    all-gather puts rank r's chunk at block r, so a natural-order result
+    needs every element of block r to end on rank r, and rank r's chunk
+    always sums ranks r - T, ..., r (the static pattern). Randomizing which
+    ranks an element drops therefore means moving it after the gather.
+
+    ``in_place=True`` rolls the moving columns within ``by_chunk`` (a loop;
+    see :func:`_roll_columns`): the cheaper pass when the result is kept as
+    it is. ``in_place=False`` is one XLA gather into a new buffer, which XLA
+    can fuse into an element-wise consumer in the same program (an
+    optimizer's update), where it then costs no pass of its own. Both give
+    the same values.
     """
     if not schedule.randomized:
         return by_chunk
-    columns = jnp.arange(schedule.chunks_per_rank)[None, :]
-    return by_chunk[schedule.chunk_of_slot(), columns]
+    if not in_place:
+        return _gathered_by_slot(by_chunk, schedule.offsets)
+    return _roll_columns(by_chunk, schedule.offsets)
+
+
+@jax.custom_jvp
+def _roll_columns(by_chunk: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Rolls column j of ``[N, C, m]`` by ``offsets[j]`` along N, in place.
+
+    Slot s of column j holds ring chunk ``s - offsets[j]``. A loop over the
+    columns that move (on average (N - 1) / N of them) rolls each through a
+    temporary of one column and writes it back into the gathered buffer:
+    one read and one write of those columns, no second buffer. The loop's
+    length depends on the offsets, which reverse-mode autodiff cannot go
+    through, so derivatives take the gather form of the same linear map.
+    """
+    n = by_chunk.shape[0]
+    # The columns that move first; stable, so the order is fixed.
+    order = jnp.argsort(offsets == 0, stable=True)
+
+    def roll(i, out):
+        column = order[i]
+        pieces = lax.dynamic_slice_in_dim(out, column, 1, 1)  # [N, 1, m]
+        rolled = lax.dynamic_slice_in_dim(
+            jnp.concatenate([pieces, pieces]), n - offsets[column], n, 0)
+        return lax.dynamic_update_slice_in_dim(out, rolled, column, 1)
+
+    return lax.fori_loop(0, jnp.count_nonzero(offsets), roll, by_chunk)
+
+
+def _gathered_by_slot(by_chunk: jax.Array, offsets: jax.Array) -> jax.Array:
+    """The same reorder as one XLA gather into a new buffer."""
+    n, columns = by_chunk.shape[:2]
+    slots = jnp.arange(n, dtype=jnp.int32)[:, None]
+    return by_chunk[(slots - offsets[None, :]) % n, jnp.arange(columns)[None, :]]
+
+
+@_roll_columns.defjvp
+def _roll_columns_jvp(primals, tangents):
+    by_chunk, offsets = primals
+    return (_roll_columns(by_chunk, offsets),
+            _gathered_by_slot(tangents[0], offsets))

@@ -463,12 +463,13 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
                      accumulate_dtype=config.accumulate_dtype,
                      comm_dtype=config.comm_dtype, layout=config.layout)
         if residuals is None:
-            ar_out = coll.skip_pmean(ar, config.axis_name, **ar_kw)
+            ar_out = coll.pmean_for_update(ar, config.axis_name, **ar_kw)
             if config.radial(params):
                 ar_out = exact_radial(ar_out, ar, _picked_params(params, skippable),
                                       axes)
         else:
-            ar_out, ar_left = coll.skip_pmean_and_left_out(ar, config.axis_name, **ar_kw)
+            ar_out, ar_left = coll.pmean_for_update(ar, config.axis_name,
+                                                    with_left_out=True, **ar_kw)
         # Its own period; fold_in: the all-reduce's buckets and these draw
         # different keys.
         rs_key, rs_phase = balanced_draw(

@@ -116,6 +116,27 @@ def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
         assert not np.array_equal(native[0], x.sum(0))  # something was dropped
 
 
+def test_the_reorder_in_place_and_as_a_gather_agree():
+    # The collectives roll the moving columns in place; skip_reduce keeps the
+    # gather (fusable into the update). Same values for every key, also
+    # where no column moves (k = 0) or every one does.
+    from skipreduce_jax._ring import put_in_slot_order
+
+    n, columns = 4, 8
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(n, columns, 5)), jnp.float32)
+    for seed in range(6):
+        for k in range(n):
+            s = sr.make_schedule(n, num_skip=k, chunks_per_rank=columns,
+                                 key=jax.random.key(seed))
+            rolled, gathered = jax.jit(lambda v, s=s: (
+                put_in_slot_order(v, s), put_in_slot_order(v, s, in_place=False)))(x)
+            np.testing.assert_array_equal(rolled, gathered)
+            if k:  # slot s of column j holds ring chunk s - offsets[j]
+                slots = (np.arange(n)[:, None] - np.asarray(s.offsets)) % n
+                np.testing.assert_array_equal(
+                    gathered, np.asarray(x)[slots, np.arange(columns)])
+
+
 @pytest.mark.parametrize("randomize,check_vma,dtype", [
     (True, True, np.float32),
     (False, True, np.float32),
