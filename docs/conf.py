@@ -1,8 +1,8 @@
 """Sphinx configuration of the skipreduce_jax site (``make docs``)."""
 
 import pathlib
-import sys
 import re
+import sys
 import zlib
 
 DOCS = pathlib.Path(__file__).resolve().parent
@@ -79,13 +79,29 @@ html_css_files = ["custom.css"]
 
 
 
-def _alias_by_name(app, what, name, obj, options, signature, return_annotation):
-    """Sphinx spells an alias of autodoc_type_aliases nested in a union or a
-    Callable by its repr, "TypeAliasForwardRef('PyTree')"; spell it by name."""
-    def spelled(text):
-        return text and re.sub(r"TypeAliasForwardRef\('([\w.]+)'\)", r"\1", text)
-    return spelled(signature), spelled(return_annotation)
+# Sphinx spells an alias of autodoc_type_aliases nested in a union or a
+# Callable by its repr, "TypeAliasForwardRef('PyTree')"; these handlers of
+# its events spell it by name in signatures and in the typed parameters.
+_ALIAS_REPR = re.compile(r"TypeAliasForwardRef\('([\w.]+)'\)")
+
+
+def _spelled(text):
+    return text and _ALIAS_REPR.sub(r"\1", text)
+
+
+def _signature_by_name(app, what, name, obj, options, signature, return_annotation):
+    return _spelled(signature), _spelled(return_annotation)
+
+
+def _fields_by_name(app, domain, objtype, contentnode):
+    from docutils import nodes
+
+    for text in list(contentnode.findall(nodes.Text)):
+        if "TypeAliasForwardRef" in text:
+            text.parent.replace(text, nodes.Text(_spelled(str(text))))
 
 
 def setup(app):
-    app.connect("autodoc-process-signature", _alias_by_name)
+    """Connects the handlers above."""
+    app.connect("autodoc-process-signature", _signature_by_name)
+    app.connect("object-description-transform", _fields_by_name, priority=900)
