@@ -3,7 +3,9 @@
 At k = 0 ``value_and_grad`` equals ``jax.value_and_grad`` on the global
 batch for a mean, a masked (padded) mean, a weighted mean and a sum over a
 constant count, whatever the padding and weights (hypothesis draws them,
-some ranks' rows all padding included).
+some ranks' rows all padding included). The aux holds what such a step
+reports: the token count (float and int), the summed loss and a mean; each
+equals ``jax.value_and_grad``'s aux.
 """
 
 import jax
@@ -38,14 +40,23 @@ LOSSES = {
 @given(mask=st.lists(st.booleans(), min_size=ROWS, max_size=ROWS).filter(any),
        seed=st.integers(0, 2**16))
 def test_exact_at_k0_against_jax_value_and_grad(kind, mask, seed):
-    loss = LOSSES[kind]
+    def loss(w, x, m):
+        err = _err(w, x)
+        aux = {"tokens": jnp.sum(m), "int_tokens": jnp.sum(m > 0),
+               "loss_sum": jnp.sum(m * err), "mean_err": jnp.mean(err)}
+        return LOSSES[kind](w, x, m), aux
+
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(ROWS, 5)).astype(np.float32)
     w = rng.normal(size=(5, 3)).astype(np.float32)
     m = np.asarray(mask, np.float32)
     with jax.set_mesh(MESH):
-        value, grads = jax.jit(lambda w, x, m: sr.value_and_grad(
-            loss, MESH, "data", step=0, num_skip=0, min_size=0)(w, x, m))(w, x, m)
-    ref, ref_grads = jax.value_and_grad(loss)(w, x, m)
+        (value, aux), grads = jax.jit(lambda w, x, m: sr.value_and_grad(
+            loss, MESH, "data", step=0, num_skip=0, min_size=0, has_aux=True)(w, x, m))(
+                w, x, m)
+    (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(w, x, m)
     np.testing.assert_allclose(value, ref, rtol=2e-5)
+    assert int(aux["int_tokens"]) == int(ref_aux["int_tokens"])
+    for k in ("tokens", "loss_sum", "mean_err"):
+        np.testing.assert_allclose(aux[k], ref_aux[k], rtol=2e-5)
     np.testing.assert_allclose(grads, ref_grads, rtol=2e-5, atol=1e-5)
