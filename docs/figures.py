@@ -173,6 +173,25 @@ def time_to_accuracy() -> None:
     _save(fig, "time_to_accuracy.png")
 
 
+def loss_vs_time() -> None:
+    """Test loss against wall-clock seconds: all-reduce, Random, a bf16 wire."""
+    run = RECORDS["tta_curves"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, color in zip(run["variants"], (FULL, SKIP, FAST), strict=True):
+        curve = run["curves"][name]
+        ax.plot(curve["seconds"], curve["loss"], color=color, lw=1.8, label=name)
+    target = run["target_loss"]
+    ax.axhline(target, color=GREY, lw=0.8, ls="--")
+    ax.text(1, target, " the all-reduce's final loss", va="bottom", fontsize=8.5,
+            color="#666666")
+    ax.set_xlabel("seconds of training")
+    ax.set_ylabel("test loss (smoothed)")
+    ax.set_ylim(top=run["ylim_top"])
+    ax.set_title("MLP, SGD, 4 emulated hosts at 500 Mbit/s", fontsize=10)
+    ax.legend(frameon=False, fontsize=9)
+    _save(fig, "loss_vs_time.png")
+
+
 def time_to_accuracy_lm() -> None:
     """The LM's seconds to the all-reduce's validation loss."""
     rec = RECORDS["tta_lm"]
@@ -217,8 +236,8 @@ def convergence() -> None:
 def main() -> None:
     """Draws every figure."""
     OUT.mkdir(parents=True, exist_ok=True)
-    for draw in (ring, schedule, bytes_sent, cluster, time_to_accuracy, time_to_accuracy_lm,
-                 convergence):
+    for draw in (ring, schedule, bytes_sent, cluster, time_to_accuracy, loss_vs_time,
+                 time_to_accuracy_lm, convergence):
         draw()
 
 
