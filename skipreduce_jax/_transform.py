@@ -357,6 +357,10 @@ def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
     return warn_if_batchnorm(params, flags, api=_API)
 
 
+class NothingSkippedWarning(UserWarning):
+    """``skip_reduce`` skips no leaf (each below ``min_size`` or excluded)."""
+
+
 def _axes(config: _Config) -> tuple[str, ...]:
     return (config.axis_name,) + ((config.inner_axis,) if config.inner_axis
                                   else ())
@@ -410,7 +414,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
             f"{_API}: no leaf may be skipped (each is excluded by selective or "
             f"smaller than min_size={config.min_size}), so every step is a "
             "full all-reduce. For a small model pass e.g. min_size=0.",
-            stacklevel=2)
+            NothingSkippedWarning, stacklevel=2)
     if (config.exact_radial is None and params is None and num_skip > 0
             and not config.error_feedback and any(in_batchnorm(updates))):
         warnings.warn(

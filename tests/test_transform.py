@@ -411,7 +411,7 @@ def test_warns_when_nothing_may_be_skipped():
     # The default min_size (100 000) leaves a small model a plain average.
     grads = np.ones((N, 1000), np.float32)
     tx = sr.skip_reduce("i", num_skip=3)
-    with pytest.warns(UserWarning, match=r"no leaf may be skipped.*"
+    with pytest.warns(sr.NothingSkippedWarning, match=r"no leaf may be skipped.*"
                       r"min_size=100000.*min_size=0"):
         per_rank(lambda g: tx.update(g, tx.init(g))[0], grads, n=N)
     quiet = sr.skip_reduce("i", num_skip=3, min_size=0)
