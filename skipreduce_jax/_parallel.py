@@ -553,15 +553,15 @@ class DataParallelStep:
         except ValueError as e:
             if not any(m in str(e) for m in _PJIT_ONLY):
                 raise
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
-                f"{self._api}: the step's code sets a sharding that names the data "
-                f"axes {list(axes)} (with_sharding_constraint, or flax unboxing a "
-                "partitioned kernel), which a per-rank step cannot trace: in it "
-                "each rank holds only its own rows, and the data axes are Manual. "
-                "Spell the constraint without the data axes, or keep the step "
-                "pjit code and take the gradients with skipreduce_jax."
-                "value_and_grad, which traces the loss as plain jax.jit code."
-                ) from e
+                f"{self._api}: JAX refused a sharding set inside the per-rank step "
+                "(a with_sharding_constraint, or flax unboxing a partitioned "
+                f"kernel): {first} Inside the step the data axes {list(axes)} are "
+                "Manual and each rank holds only its own rows. Constrain with the "
+                "step's mesh and without the data axes, or keep the step pjit code "
+                "and take the gradients with skipreduce_jax.value_and_grad, which "
+                "traces the loss as plain jax.jit code.") from e
         out_tree = found["tree"]
         rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
         out_specs = tuple(spec if r else P() for r in rows)

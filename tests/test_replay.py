@@ -89,8 +89,9 @@ def _train(name, api, constrained):
 @pytest.mark.parametrize("api", ["data_parallel", "make_train_step"])
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_a_constraint_naming_the_data_axis_in_a_per_rank_step_names_the_fix(name, api):
-    with pytest.raises(ValueError, match=f"{api}: the step's code sets a sharding "
-                                         "that names the data axes.*value_and_grad"):
+    with pytest.raises(ValueError, match=f"{api}: JAX refused a sharding set inside the "
+                                         rf"per-rank step .*\['{MESHES[name][3]}'\] "
+                                         ".*value_and_grad"):
         _train(name, api, constrained=True)
 
 
