@@ -98,8 +98,10 @@ def value_and_grad(
       batch (for a loss that is a mean over equal shares of it, or that
       divides by :func:`mean_count`).
     - The value is the mean over ranks. An ``aux`` leaf that is a sum over
-      the batch (its last operation ``jnp.sum``: a token count, a summed
-      loss) comes back summed over ranks, ints included; any other leaf
+      the batch's rows (``jnp.sum`` over its leading axis: a token count, a
+      summed loss; cast, added to another such sum or scaled by a constant;
+      not divided by a :func:`mean_count`) comes back summed over ranks,
+      ints included; any other leaf
       that depends on the batch, the mean over ranks; one that does not,
       as it is. :class:`PerRank` leaves (``PerRank(logits)``) come back as
       every rank's rows in the global batch's order. A non-float leaf that
@@ -117,9 +119,10 @@ def value_and_grad(
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
     step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
     then runs with those axes Auto (``jax.sharding.auto_axes``), and the
-    grads are pinned to the params' layouts. There, as in plain ``jax.jit``,
-    lay values out with ``jax.sharding.reshard``, not
-    ``with_sharding_constraint``.
+    grads are pinned to the params' layouts. Layout calls in the loss
+    that name Explicit axes (``with_sharding_constraint``,
+    ``jax.sharding.reshard``, ``out_sharding=``) are refused there, with
+    JAX's error; a loss that sets layouts runs on a mesh of Auto axes.
 
     It keeps no state. The key of each step is derived from ``seed`` (a
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
@@ -156,9 +159,13 @@ def value_and_grad(
         its rows into this many micro-batches (row ``i`` into micro-batch
         ``i % microbatches``), sums their gradients in a ``lax.scan`` and
         reduces the sum once, so one accumulated step costs one ring. The
-        value and grads are the means over micro-batches; each ``aux``
-        leaf comes back stacked, one entry per micro-batch (leading axis
-        ``microbatches``), to be summed or averaged as it means.
+        value and grads are the means over micro-batches (with
+        :func:`mean_count`, of each micro-batch's global mean: on padded
+        batches whose micro-batches hold different counts that differs from
+        the mean over the whole step); each ``aux`` leaf comes back stacked,
+        one entry per micro-batch (leading axis ``microbatches``), to be
+        summed or averaged as it means; :class:`PerRank` leaves as rows in
+        the global batch's order.
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
@@ -296,8 +303,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             """One rank's value, aux and gradients: its own, not summed."""
             out, grads = accumulate(lambda *a: grad(*a, consts), local_args, batch,
                                     microbatches, has_aux=has_aux)
-            leaves = [x[None] if s else x
-                      for x, s in zip(jax.tree_util.tree_leaves(out), stacked, strict=True)]
+            leaves = [_rows_in_order(x, microbatches) if f else x
+                      for x, f in zip(jax.tree_util.tree_leaves(out), per_rank, strict=True)]
+            leaves = [x[None] if s else x for x, s in zip(leaves, stacked, strict=True)]
             return leaves, jax.tree_util.tree_map(lambda g: g[None], grads)
 
         def reduce(step, local_params, grads, outs):
@@ -447,6 +455,17 @@ def _shapes(arg: Any, parts: int) -> Any:
         return jax.ShapeDtypeStruct(shape, jax.typeof(x).dtype,
                                     weak_type=jax.typeof(x).weak_type)
     return jax.tree_util.tree_map(one, arg)
+
+
+def _rows_in_order(x: jax.Array, microbatches: int) -> jax.Array:
+    """A PerRank leaf, stacked per micro-batch, as the rank's rows in order.
+
+    Micro-batch ``j`` holds the rank's rows ``i`` with ``i % microbatches ==
+    j`` (see ``_micro``): ``(k, rows / k, ...)`` back to ``(rows, ...)``.
+    """
+    if microbatches == 1:
+        return x
+    return jnp.reshape(jnp.moveaxis(x, 0, 1), (-1,) + x.shape[2:])
 
 
 def _specs_like(tree: Any, spec: P) -> Any:

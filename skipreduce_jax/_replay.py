@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +44,6 @@ from jax.sharding import PartitionSpec as P
 # they need the data axes, which exist only in the body.
 MEAN_COUNT = "skipreduce_mean_count"  # mean_count: the count made global
 RANK_KEY = "skipreduce_rank_key"      # rank_key: a key folded with the rank
-_PER_RANK_MARKS = {RANK_KEY}          # their values differ per rank
 # True while a loss is traced for replay: the markers are left.
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "skipreduce_tracing_for_replay", default=False)
@@ -97,7 +97,9 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
     It is traced with no mesh set, as a plain ``jax.jit`` step without
     ``jax.set_mesh`` has it. A loss that itself reduces over the data axes
     (BatchNorm with ``axis_name``) needs them bound: it is traced again with
-    them Manual, where a constraint naming them fails as JAX says.
+    them Manual, where a constraint naming them fails as JAX says. A loss
+    that constrains with a bare ``PartitionSpec`` needs a mesh: it is traced
+    again under ``mesh`` with every axis Auto.
     """
     leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
     at = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
@@ -113,23 +115,31 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
     shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype,
                                    weak_type=getattr(leaves[i], "weak_type", False))
               for i in at]
+    abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+
+    def traced_under(context, **kwargs):
+        with jax.sharding.use_abstract_mesh(context), _tracing():
+            return jax.make_jaxpr(flat, return_shape=True, **kwargs)(*shapes)
+
     try:
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), _tracing():
-            closed, out = jax.make_jaxpr(flat, return_shape=True)(*shapes)
+        closed, out = traced_under(jax.sharding.AbstractMesh((), ()))
     except NameError as e:  # an unbound axis name: the loss's own collective
         if not any(repr(a) in str(e) or f" {a}." in str(e) for a in axes):
             raise
-        body = (mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh)
-        body = body.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
-                                       for a in body.axis_names})
-        with jax.sharding.use_abstract_mesh(body), _tracing():
-            closed, out = jax.make_jaxpr(
-                flat, return_shape=True,
-                axis_env=[(a, mesh.shape[a]) for a in axes])(*shapes)
+        closed, out = traced_under(
+            abstract.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
+                                        for a in abstract.axis_names}),
+            axis_env=[(a, mesh.shape[a]) for a in axes])
+    except RuntimeError as e:  # a bare PartitionSpec: it needs a mesh
+        if "non-empty mesh" not in str(e):
+            raise
+        closed, out = traced_under(
+            abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names}))
     in_varying = [per_leaf[i] for i in at]
+    rows = {s.shape[0] for s, v in zip(shapes, in_varying, strict=True) if v and s.ndim}
     return Traced(closed.jaxpr, list(closed.consts), at,
-                  jax.tree_util.tree_structure(out),
-                  _varying(closed.jaxpr, in_varying), _sums(closed.jaxpr), in_varying)
+                  jax.tree_util.tree_structure(out), _flags(closed.jaxpr, in_varying),
+                  _sums(closed.jaxpr, in_varying, rows), in_varying)
 
 
 def replay(traced: Traced, markers: dict[str, Callable[[Any, bool], Any]]) -> Callable[..., Any]:
@@ -150,27 +160,104 @@ def replay(traced: Traced, markers: dict[str, Callable[[Any, bool], Any]]) -> Ca
     return replayed
 
 
-def _varying(jaxpr: Any, in_varying: Sequence[bool]) -> list[bool]:
-    """Per output of ``jaxpr``: does it depend on an input flagged varying?"""
-    flags = dict(zip(jaxpr.invars, in_varying, strict=True))
+def _flags(jaxpr: Any, in_flags: Sequence[bool]) -> list[bool]:
+    """Per output of ``jaxpr``: does it depend on an input flagged (the batch)?"""
+    flags = dict(zip(jaxpr.invars, in_flags, strict=True))
     for eqn in jaxpr.eqns:
-        out = (any(flags.get(v, False) for v in eqn.invars if not isinstance(v, Literal))
-               or eqn.params.get("name") in _PER_RANK_MARKS)
-        flags.update((v, out) for v in eqn.outvars)
+        flags.update(zip(eqn.outvars, _eqn_flags(eqn, _read_flags(eqn, flags)),
+                         strict=True))
     return [not isinstance(v, Literal) and flags.get(v, False) for v in jaxpr.outvars]
 
 
-def _sums(jaxpr: Any) -> list[bool]:
-    """Per output of ``jaxpr``: is it a sum (``jnp.sum``), maybe cast?"""
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+def _read_flags(eqn: Any, flags: dict[Any, bool]) -> list[bool]:
+    return [not isinstance(v, Literal) and flags.get(v, False) for v in eqn.invars]
 
-    def is_sum(v):
-        eqn = producer.get(v)
-        while eqn is not None and eqn.primitive.name == "convert_element_type":
-            eqn = producer.get(eqn.invars[0])
-        return eqn is not None and eqn.primitive.name == "reduce_sum"
 
-    return [not isinstance(v, Literal) and is_sum(v) for v in jaxpr.outvars]
+def _eqn_flags(eqn: Any, in_flags: list[bool]) -> list[bool]:
+    """Per output of one equation: does it depend on the batch (or the rank)?"""
+    name, p = eqn.primitive.name, eqn.params
+    if name in ("jit", "pjit"):
+        if p["name"] == RANK_KEY:
+            return [True]
+        return in_flags[:1] if p["name"] == MEAN_COUNT else _flags(p["jaxpr"].jaxpr, in_flags)
+    if name == "remat2":
+        return _flags(p["jaxpr"], in_flags)
+    if name in ("custom_jvp_call", "custom_vjp_call"):
+        inner = p["call_jaxpr"].jaxpr
+        if len(inner.invars) == len(in_flags):
+            return _flags(inner, in_flags)
+    if name == "scan":
+        c, n = p["num_consts"], p["num_carry"]
+        carry = _scan_carry(p, in_flags)
+        out = _flags(p["jaxpr"].jaxpr, in_flags[:c] + carry + in_flags[c + n:])
+        return carry + out[n:]
+    if name == "while":
+        carry, predicate = _while_carry(p, in_flags)
+        return [f or predicate for f in carry]
+    if name == "cond":
+        outs = [_flags(b.jaxpr, in_flags[1:]) for b in p["branches"]]
+        return [in_flags[0] or any(col) for col in zip(*outs, strict=True)]
+    return [any(in_flags)] * len(eqn.outvars)
+
+
+def _scan_carry(p: dict[str, Any], in_flags: list[bool]) -> list[bool]:
+    """A scan's carry flags: its initial ones, or'd with the body's to a fixed point."""
+    c, n = p["num_consts"], p["num_carry"]
+    carry = in_flags[c:c + n]
+    while True:
+        out = _flags(p["jaxpr"].jaxpr, in_flags[:c] + carry + in_flags[c + n:])[:n]
+        new = [a or b for a, b in zip(carry, out, strict=True)]
+        if new == carry:
+            return carry
+        carry = new
+
+
+def _while_carry(p: dict[str, Any], in_flags: list[bool]) -> tuple[list[bool], bool]:
+    """A while loop's carry flags (fixed point) and its predicate's flag."""
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    carry = in_flags[cn + bn:]
+    while True:
+        out = _flags(p["body_jaxpr"].jaxpr, in_flags[cn:cn + bn] + carry)
+        new = [a or b for a, b in zip(carry, out, strict=True)]
+        if new == carry:
+            break
+        carry = new
+    return carry, _flags(p["cond_jaxpr"].jaxpr, in_flags[:cn] + carry)[0]
+
+
+def _sums(jaxpr: Any, in_flags: Sequence[bool], rows: set[int]) -> list[bool]:
+    """Per output of ``jaxpr``: is it a sum over the batch's rows?
+
+    A sum over the rows: ``jnp.sum`` over the leading axis of a value that
+    depends on the batch and has a row per example, cast, negated, added to
+    another such sum or scaled by a constant, and nowhere divided by a
+    :func:`mean_count` (then it is a share of a mean). The value (output 0)
+    and an output that is the value are not.
+    """
+    flags = dict(zip(jaxpr.invars, in_flags, strict=True))
+    normalized: set[Any] = set()
+    summed: set[Any] = set()
+    for eqn in jaxpr.eqns:
+        in_f = _read_flags(eqn, flags)
+        flags.update(zip(eqn.outvars, _eqn_flags(eqn, in_f), strict=True))
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        if eqn.params.get("name") == MEAN_COUNT or any(v in normalized for v in ins):
+            normalized.update(eqn.outvars)
+            continue
+        name, x, out = eqn.primitive.name, eqn.invars, eqn.outvars[0]
+        if name == "reduce_sum":
+            if in_f[0] and 0 in eqn.params["axes"] and x[0].aval.shape[:1] in [(r,) for r in rows]:
+                summed.add(out)
+        elif name in ("convert_element_type", "neg", "copy") and ins and ins[0] in summed:
+            summed.add(out)
+        elif name in ("add", "sub", "add_any") and len(ins) == 2 and all(
+                v in summed for v in ins):
+            summed.add(out)
+        elif name == "mul" and len(ins) == 1 and ins[0] in summed:
+            summed.add(out)  # times a constant
+    value = jaxpr.outvars[0]
+    return [i > 0 and not isinstance(v, Literal) and v is not value and v in summed
+            for i, v in enumerate(jaxpr.outvars)]
 
 
 def divisor(traced: Traced, i: int) -> float | None:
@@ -183,7 +270,13 @@ def divisor(traced: Traced, i: int) -> float | None:
     if not isinstance(other, Literal) or np.ndim(other.val):
         return None
     value = float(other.val)
-    return value if eqn.primitive.name == "div" else (1 / value if value else None)
+    value = value if eqn.primitive.name == "div" else (1 / value if value else None)
+    summed = next((e for e in traced.jaxpr.eqns if eqn.invars[0] in e.outvars), None)
+    if summed is not None and summed.primitive.name == "reduce_sum":
+        shape = summed.invars[0].aval.shape
+        if value == math.prod(shape[a] for a in summed.params["axes"]):
+            return None  # a mean over what it summed (jnp.mean)
+    return value
 
 
 @contextlib.contextmanager
@@ -217,14 +310,13 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for v, x, f in zip(jaxpr.invars, args, varying, strict=True):
         env[v], flags[v] = x, f
     for eqn in jaxpr.eqns:
-        in_flags = [not isinstance(v, Literal) and flags.get(v, False) for v in eqn.invars]
+        in_flags = _read_flags(eqn, flags)
         # Not under eqn.ctx: it holds the mesh of the trace, not the body's.
         outs = _apply(eqn, [read(v) for v in eqn.invars], in_flags, markers)
         if not eqn.primitive.multiple_results:
             outs = [outs]
-        varying = any(in_flags) or eqn.params.get("name") in _PER_RANK_MARKS
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v], flags[v] = x, varying
+        for v, x, f in zip(eqn.outvars, outs, _eqn_flags(eqn, in_flags), strict=True):
+            env[v], flags[v] = x, f
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -233,10 +325,8 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
     """One equation, in the body."""
     name, params = eqn.primitive.name, eqn.params
 
-    def sub(closed, flags=None):
-        # Control flow: a value depends on the batch if any input does.
-        return lambda *a: _eval(closed.jaxpr, closed.consts, a,
-                                flags or [any(in_flags)] * len(a), markers)
+    def sub(closed, flags):
+        return lambda *a: _eval(closed.jaxpr, closed.consts, a, flags, markers)
 
     if name == "sharding_constraint":
         return constrain(ins[0], params["sharding"])
@@ -246,7 +336,8 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
         return sub(params["jaxpr"], in_flags)(*ins)
     if name == "scan":
         consts, n = params["num_consts"], params["num_carry"]
-        body = sub(params["jaxpr"])
+        body = sub(params["jaxpr"], in_flags[:consts] + _scan_carry(params, in_flags)
+                   + in_flags[consts + n:])
 
         def step(carry, x):
             out = body(*ins[:consts], *carry, *x)
@@ -258,20 +349,44 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
         return [*carry, *ys]
     if name == "while":
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond, body = sub(params["cond_jaxpr"]), sub(params["body_jaxpr"])
+        carry, _ = _while_carry(params, in_flags)
+        cond = sub(params["cond_jaxpr"], in_flags[:cn] + carry)
+        body = sub(params["body_jaxpr"], in_flags[cn:cn + bn] + carry)
         return lax.while_loop(lambda c: cond(*ins[:cn], *c)[0],
                               lambda c: body(*ins[cn:cn + bn], *c),
                               ins[cn + bn:])
     if name == "cond":
-        return lax.switch(ins[0], [sub(b) for b in params["branches"]], *ins[1:])
+        return lax.switch(ins[0], [sub(b, in_flags[1:]) for b in params["branches"]],
+                          *ins[1:])
     if name == "remat2":
         inner = params["jaxpr"]
         return jax.checkpoint(
             lambda *a: _eval(inner, (), a, in_flags, markers),
             prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
+    if any(_holds_marker(j) for j in _jaxprs(params)):
+        raise ValueError(
+            f"value_and_grad: skipreduce_jax.mean_count or rank_key is called inside "
+            f"a function that JAX keeps whole ({name}: a jax.custom_vjp or "
+            "custom_jvp), where the library cannot reach it per rank. Call it "
+            "outside that function and pass its result in.")
     params = {k: _rehomed(v) if isinstance(v, NamedSharding) else v
               for k, v in params.items()}
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+
+
+def _jaxprs(params: dict[str, Any]) -> Iterator[Any]:
+    """The jaxprs an equation's params hold."""
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):
+                yield x.jaxpr
+
+
+def _holds_marker(jaxpr: Any) -> bool:
+    return any(e.params.get("name") in _IDENTITY or any(map(_holds_marker, _jaxprs(e.params)))
+               for e in jaxpr.eqns)
 
 
 def _rehomed(sharding: NamedSharding) -> NamedSharding:
