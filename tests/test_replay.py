@@ -10,6 +10,8 @@ without them gives. In the per-rank steps (``data_parallel``,
 with the fix.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -282,3 +284,112 @@ def test_an_imported_constraint_and_rank_key_in_value_and_grad():
     rows = np.asarray(rows.value).reshape(4, 4)
     assert len({tuple(r) for r in rows}) > 1  # the ranks drew different masks
     assert np.isfinite(float(value)) and grads.shape == (4,)
+
+
+# Losses found by a review of the replay: each equals jax.value_and_grad at k = 0.
+ROWS, D = 16, 4
+W = np.linspace(-1.0, 1.0, D * 3, dtype=np.float32).reshape(D, 3)
+X = np.cos(np.arange(ROWS * D, dtype=np.float32)).reshape(ROWS, D)
+MASK = (np.arange(ROWS) % 5 > 1).astype(np.float32)
+COUNT = np.float32(ROWS)
+
+
+def _scan_of_a_constant_count(w, x, n):
+    def body(c, xi):
+        return c + jnp.sum(xi @ w) / sr.mean_count(n), None
+
+    return jax.lax.scan(body, 0.0, x)[0]
+
+
+def _weighted_sum(w, x, m):
+    loss = jnp.sum(m / sr.mean_count(jnp.sum(m)) * jnp.mean((x @ w) ** 2, -1))
+    return loss, {"loss": loss, "tokens": jnp.sum(m)}
+
+
+def _sum_of_means(w, x):
+    loss = jnp.sum(jnp.mean((x @ w - 1.0) ** 2, axis=0))
+    return loss, {"loss": loss, "per_output": jnp.mean(x @ w, axis=0)}
+
+
+def _sum_of_sums(w, x):
+    h = x @ w
+    return jnp.mean(h ** 2), {"s": jnp.sum(x) + jnp.sum(h), "twice": 2.0 * jnp.sum(h)}
+
+
+REVIEWED = {
+    "mean_count of a constant inside scan": (_scan_of_a_constant_count, (W, X, COUNT), (1,)),
+    "mean_count of a constant inside cond": (
+        lambda w, x, n: jax.lax.cond(w[0, 0] > -100, lambda: jnp.sum(x @ w) / sr.mean_count(n),
+                                     lambda: 0.0), (W, X, COUNT), (1,)),
+    "a mean_count-weighted sum in aux": (_weighted_sum, (W, X, MASK), None),
+    "a sum of means in aux": (_sum_of_means, (W, X), None),
+    "sums of sums in aux": (_sum_of_sums, (W, X), None),
+    "jnp.mean over as many elements as the global rows": (
+        lambda w, x: jnp.mean((x[:, :2] @ w[:2, :1]) ** 2), (W, X), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REVIEWED))
+def test_reviewed_losses_equal_jax_value_and_grad(name):
+    loss, args, batch = REVIEWED[name]
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    has_aux = isinstance(jax.eval_shape(loss, *args), tuple)
+    ref = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no GlobalDivisorWarning for a mean
+        got = jax.jit(lambda *a: sr.value_and_grad(
+            loss, mesh, "data", step=0, num_skip=0, min_size=0, has_aux=has_aux,
+            batch_argnums=batch)(*a))(*args)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_key_in_a_nested_jit_is_per_rank():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+    def loss(w, x, key):
+        nested = jax.jit(lambda k: jax.random.uniform(sr.rank_key(k, "data")))(key)
+        top = jax.random.uniform(sr.rank_key(key, "data"))
+        return jnp.mean((x @ w) ** 2), {"nested": nested, "top": top}
+
+    (_, aux), _ = jax.jit(lambda *a: sr.value_and_grad(
+        loss, mesh, "data", step=0, num_skip=0, min_size=0, has_aux=True,
+        batch_argnums=(1,))(*a))(W, X, jax.random.key(5))
+    assert float(aux["nested"]) == float(aux["top"])  # both the mean of 8 draws
+
+
+def test_per_rank_rows_with_microbatches_keep_the_batch_order():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+    def loss(w, x):
+        h = x @ w
+        return jnp.mean(h ** 2), {"h": sr.PerRank(h)}
+
+    (_, aux), _ = jax.jit(lambda *a: sr.value_and_grad(
+        loss, mesh, "data", step=0, num_skip=0, min_size=0, has_aux=True,
+        microbatches=2)(*a))(W, X)
+    np.testing.assert_allclose(aux["h"].value, X @ W, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bare_spec_under_set_mesh_and_a_marker_in_custom_vjp():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def bare(w, x):
+        return jnp.mean(jax.lax.with_sharding_constraint(x @ w, P("data", "model")) ** 2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: sr.value_and_grad(bare, mesh, "data", step=0, num_skip=0,
+                                                   param_specs=P())(*a))(W[:, :2], X)
+        ref = jax.jit(jax.value_and_grad(bare))(W[:, :2], X)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+
+    @jax.custom_vjp
+    def normalized(s, n):
+        return s / sr.mean_count(n)
+
+    normalized.defvjp(lambda s, n: (normalized(s, n), n), lambda n, g: (g / n, None))
+    mesh8 = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with pytest.raises(ValueError, match="mean_count or rank_key is called inside"):
+        jax.jit(lambda *a: sr.value_and_grad(
+            lambda w, x, m: normalized(jnp.sum(m[:, None] * (x @ w) ** 2), jnp.sum(m)),
+            mesh8, "data", step=0, num_skip=0, min_size=0)(*a))(W, X, MASK)
