@@ -14,11 +14,11 @@ This file holds that step twice, for a line-by-line comparison:
     the batch; XLA inserts the gradient all-reduce.
 :func:`skipreduce_step`
     The same step with ``skipreduce_jax.value_and_grad`` over ``"data"``.
-    Six lines differ, and the import: the loss takes the batch as arguments
-    (a closed-over batch would reach every rank whole, and is refused), its
-    normaliser is ``sr.mean_count`` of the token count, and the logits come
-    back as every rank's rows (``sr.PerRank``), so the metrics, counts
-    included, are computed on the global batch exactly as before.
+    Four lines differ, and the import: the loss still closes over the batch
+    (each rank gets its rows of it), its normaliser is ``sr.mean_count`` of
+    the token count, and the logits come back as every rank's rows
+    (``sr.PerRank``), so the metrics, counts included, are computed on the
+    global batch exactly as before.
 
 ``--mesh data`` puts the 8 devices on ``data`` (SkipReduce over 8 ranks);
 ``--mesh fsdp`` is lm1b's default, ``data=1, fsdp=8``: one rank, where
@@ -92,14 +92,14 @@ def skipreduce_step(state, batch, *, mesh, config):
     """The same step; SkipReduce averages the gradients over ``"data"``."""
     inputs, weights = batch
 
-    def loss_fn(params, inputs, weights):
+    def loss_fn(params):
         logits = state.apply_fn({"params": params}, inputs[:, :-1])
         loss, weight_sum = weighted_cross_entropy(logits, inputs[:, 1:], weights)
         return loss / sr.mean_count(weight_sum), sr.PerRank(logits)
 
     grad_fn = sr.value_and_grad(loss_fn, mesh, "data", step=state.step, has_aux=True,
                                 **config.skip_options)
-    (_, logits), grads = grad_fn(state.params, inputs, weights)
+    (_, logits), grads = grad_fn(state.params)
     state = state.apply_gradients(grads=grads)
     return state, compute_metrics(logits.value, inputs[:, 1:], weights)
 

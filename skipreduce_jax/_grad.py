@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
+from skipreduce_jax._closure import with_args
 from skipreduce_jax._count import global_count
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
@@ -43,11 +44,14 @@ from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
 _CLOSED_OVER = (
-    _API + ": fun closes over {what}. fun runs on each rank's rows of its batch "
-    "arguments, and an array it closes over reaches every rank whole: every "
-    "rank would compute the whole batch and hold the same gradient. Pass the "
-    "batch as an argument instead: def loss_fn(params, batch): ... with "
+    _API + ": fun closes over {what}. fun runs on each rank's rows of the batch; "
+    "{why}, every rank would compute the whole batch and hold the same gradient. "
+    "Pass the batch as an argument instead: def loss_fn(params, batch): ... with "
     "grad_fn(params, batch).")
+_OUT_OF_REACH = (
+    "a batch held in a closure cell, a default or a functools.partial is passed to "
+    "each rank as its rows, but this one is out of reach (a global, or an attribute "
+    "of an object the loss holds): it would reach every rank whole, and")
 _SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_name"}
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
@@ -111,9 +115,13 @@ def value_and_grad(
       divides by :func:`mean_count` of it: exact on padded batches. One
       divided by the global batch's rows (``jnp.sum(err) / 64.0``) warns
       (:class:`GlobalDivisorWarning`): write ``/ mean_count(64.0)``.
-    - A loss that closes over the batch (``get_loss_fn(batch)``) is
-      refused: every rank would compute the whole batch. Pass the batch as
-      an argument.
+    - A loss may close over the batch (``get_loss_fn(batch)``, a
+      ``def loss_fn(params)`` in the step, ``functools.partial``): a
+      closed-over traced array with a batch argument's leading dimension (with
+      no batch argument: every closed-over traced array, if they share one
+      leading dimension) is split like the batch, through a copy of ``fun``
+      over each rank's rows (``fun`` itself is untouched). One out of reach
+      (a global, an object's attribute) is refused, naming the fix.
     - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
@@ -273,13 +281,23 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                 for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
         # The loss, traced once as the caller's jit sees it, on one rank's
         # (micro-)batch; replayed per rank below.
-        traced = trace(fun, [_shapes(a, ranks * microbatches if i in batch else 1)
-                             for i, a in enumerate(args)],
-                       [i in batch for i in range(len(args))],
-                       mesh, axes)
+        traced = _trace(fun, args, batch)
+        closed = _closed_over_batch(traced.consts, rows)
+        if closed:
+            # The batch it closes over becomes a last, split argument.
+            check_batch(closed, ranks, axes, api=_API, name="an array fun closes over",
+                        or_else="pass it to fun as an argument", traced=True)
+            args, batch = (*args, closed), (*batch, len(args))
+            rows |= {c.shape[0] for c in closed}
+            traced = _trace(with_args(fun, closed), args, batch)
         _refuse_closed_over_batch(traced.consts, rows)
         _warn_global_divisor(traced, rows, ranks)
         return run(traced, step, args, batch, params, specs)
+
+    def _trace(fun, args, batch):
+        return trace(fun, [_shapes(a, ranks * microbatches if i in batch else 1)
+                           for i, a in enumerate(args)],
+                     [i in batch for i in range(len(args))], mesh, axes)
 
     def run(traced, step, args, batch, params, specs):
         """The traced loss per rank (its own gradients), then the ring."""
@@ -414,13 +432,32 @@ class GlobalDivisorWarning(UserWarning):
     """A loss divided by the global batch's size where it runs per rank."""
 
 
-def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
-    """Refuses a loss that closes over the batch (its traced ``consts``).
+def _closed_over_batch(consts: Sequence[Any], rows: set[int]) -> list[Any]:
+    """The traced arrays ``fun`` closes over that are its batch.
 
-    A traced array of the caller's jit that ``fun`` closes over reaches
-    every rank whole: a closed-over batch would be computed in full on each
-    rank, and every rank would hold the same gradient. ``rows``: the global
-    batch arguments' leading dimensions (empty: no batch argument).
+    Those with the batch arguments' leading dimension (``rows``); with no
+    batch argument, every closed-over traced array, if they share one leading
+    dimension. Arrays of several leading dimensions and no batch argument to
+    tell them apart are refused.
+    """
+    closed = [c for c in consts if isinstance(c, jax.core.Tracer) and np.ndim(c)]
+    if rows:
+        return [c for c in closed if c.shape[0] in rows]
+    if len({c.shape[0] for c in closed}) > 1:
+        raise ValueError(_CLOSED_OVER.format(
+            what="traced arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
+            why="with no batch argument whose leading dimension tells which of them "
+                "are the batch, none is split: taken whole"))
+    return closed
+
+
+def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
+    """Refuses a batch the loss still closes over (its traced ``consts``).
+
+    What :func:`with_args` could not reach (a global, an object's
+    attribute) reaches every rank whole: each rank would compute the whole
+    batch and hold the same gradient. ``rows``: the global batch's leading
+    dimensions (empty: no batch argument).
     """
     closed = [c for c in consts if isinstance(c, jax.core.Tracer)]
     for leaf in closed:
@@ -428,8 +465,8 @@ def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
             continue
         raise ValueError(_CLOSED_OVER.format(
             what=f"a traced array of shape {tuple(leaf.shape)}"
-            + (" with the batch's leading dimension" if rows else
-               ", and none of its arguments is a batch to split")))
+            + (" with the batch's leading dimension" if rows else ""),
+            why=_OUT_OF_REACH))
 
 
 def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:

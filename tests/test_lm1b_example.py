@@ -7,6 +7,7 @@ handful of lines, counted from the file.
 """
 
 import difflib
+import inspect
 import sys
 
 import numpy as np
@@ -35,15 +36,18 @@ def test_random_skipping_trains():
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-def test_the_skipreduce_step_differs_in_six_lines():
+def test_the_skipreduce_step_differs_in_at_most_five_lines():
     plain, adopted = _body(lm1b_lm.plain_step), _body(lm1b_lm.skipreduce_step)
     added = [line for line in difflib.unified_diff(plain, adopted, lineterm="", n=0)
              if line[:1] == "+" and line[:3] != "+++"]
-    # The loss takes the batch as arguments (a closure over it is refused),
-    # divides by mean_count, returns PerRank logits; the grad line, its call,
-    # and the metrics read the logits' rows. Plus the import.
-    assert len(added) <= 6, added
+    # The loss still closes over the batch; it divides by mean_count and
+    # returns PerRank logits; the grad line (two lines); the metrics read
+    # the logits' rows. Plus the import: five.
+    assert "import skipreduce_jax as sr" in inspect.getsource(lm1b_lm)
+    assert len(added) + 1 <= 5, added
     assert any("sr.value_and_grad(" in line for line in added), added
+    joined = "\n".join(adopted)
+    assert "def loss_fn(params):" in joined and "grad_fn(state.params)" in joined
 
 
 def test_the_guide_shows_the_diff_as_it_is():
