@@ -38,7 +38,7 @@ from skipreduce_jax._parallel import (
     positions,
     rank_key,
 )
-from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, divisor, replay, trace
+from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, closed_over, divisor, replay, trace
 from skipreduce_jax._transform import skip_reduce
 from skipreduce_jax._vma import varying_axes
 
@@ -125,12 +125,14 @@ def value_and_grad(
     - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
-    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the loss
-    then runs with those axes Auto (``jax.sharding.auto_axes``), and the
-    grads are pinned to the params' layouts. Layout calls in the loss
-    that name Explicit axes (``with_sharding_constraint``,
-    ``jax.sharding.reshard``, ``out_sharding=``) are refused there, with
-    JAX's error; a loss that sets layouts runs on a mesh of Auto axes.
+    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the
+    grads are pinned to the params' layouts. A loss written for those axes
+    (``jax.sharding.reshard``, ``out_sharding=``, a constraint equal to a
+    value's type) runs as written: it is traced as one rank's jit sees it,
+    on the mesh with the data axes of size 1, and each layout is applied
+    per rank without the data axes. Code plain ``jax.jit`` refuses is
+    refused with JAX's error; a ``jax.custom_vjp`` in such a loss is
+    refused by name (its backward rule cannot run per rank there).
 
     It keeps no state. The key of each step is derived from ``seed`` (a
     ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
@@ -281,23 +283,41 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                 for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
         # The loss, traced once as the caller's jit sees it, on one rank's
         # (micro-)batch; replayed per rank below.
-        traced = _trace(fun, args, batch)
-        closed = _closed_over_batch(traced.consts, rows)
-        if closed:
-            # The batch it closes over becomes a last, split argument.
+        loss = fun
+        try:
+            traced = _trace(loss, args, batch)
+            consts = traced.consts
+        except Exception:
+            if not any_explicit:
+                raise
+            # Code that sets layouts over Explicit axes traces as the caller's
+            # jit sees it (for what it closes over), then as one rank's.
+            traced, consts = None, closed_over(loss, args)
+        closed = _closed_over_batch(consts, rows, axes)
+        # Under Explicit axes every array it closes over carries the caller's mesh.
+        others = [] if traced else [
+            c for c in consts if _type_spec(c) is not None and all(c is not b for b in closed)]
+        if closed or others:
+            # The batch it closes over becomes a split argument, the rest whole.
             check_batch(closed, ranks, axes, api=_API, name="an array fun closes over",
                         or_else="pass it to fun as an argument", traced=True)
-            args, batch = (*args, closed), (*batch, len(args))
+            args, batch = (*args, closed, others), (*batch, len(args))
             rows |= {c.shape[0] for c in closed}
-            traced = _trace(with_args(fun, closed), args, batch)
+            loss = _closing_over(loss, closed + others)
+        if closed or others or not traced:
+            traced = _trace(loss, args, batch, typed=not traced)
         _refuse_closed_over_batch(traced.consts, rows)
         _warn_global_divisor(traced, rows, ranks)
         return run(traced, step, args, batch, params, specs)
 
-    def _trace(fun, args, batch):
+    def _trace(fun, args, batch, typed=False):
         return trace(fun, [_shapes(a, ranks * microbatches if i in batch else 1)
                            for i, a in enumerate(args)],
-                     [i in batch for i in range(len(args))], mesh, axes)
+                     [i in batch for i in range(len(args))], mesh, axes,
+                     [_type_spec(x) for x in jax.tree_util.tree_leaves(args)]
+                     if typed else None)
+
+    any_explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
 
     def run(traced, step, args, batch, params, specs):
         """The traced loss per rank (its own gradients), then the ring."""
@@ -432,15 +452,19 @@ class GlobalDivisorWarning(UserWarning):
     """A loss divided by the global batch's size where it runs per rank."""
 
 
-def _closed_over_batch(consts: Sequence[Any], rows: set[int]) -> list[Any]:
-    """The traced arrays ``fun`` closes over that are its batch.
+def _closed_over_batch(consts: Sequence[Any], rows: set[int],
+                       axes: tuple[str, ...]) -> list[Any]:
+    """The arrays ``fun`` closes over that are its batch.
 
-    Those with the batch arguments' leading dimension (``rows``); with no
-    batch argument, every closed-over traced array, if they share one leading
-    dimension. Arrays of several leading dimensions and no batch argument to
-    tell them apart are refused.
+    Candidates: traced arrays, and arrays whose rows are split over the data
+    axes (a global batch closed over as a constant). Of those, the ones with
+    the batch arguments' leading dimension (``rows``); with no batch
+    argument, all of them, if they share one leading dimension. Arrays of
+    several leading dimensions and no batch argument to tell them apart are
+    refused.
     """
-    closed = [c for c in consts if isinstance(c, jax.core.Tracer) and np.ndim(c)]
+    closed = [c for c in consts if np.ndim(c) and (
+        isinstance(c, jax.core.Tracer) or _rows_split(c, axes))]
     if rows:
         return [c for c in closed if c.shape[0] in rows]
     if len({c.shape[0] for c in closed}) > 1:
@@ -449,6 +473,14 @@ def _closed_over_batch(consts: Sequence[Any], rows: set[int]) -> list[Any]:
             why="with no batch argument whose leading dimension tells which of them "
                 "are the batch, none is split: taken whole"))
     return closed
+
+
+def _rows_split(x: Any, axes: tuple[str, ...]) -> bool:
+    """Is ``x`` an array whose leading dimension is split over ``axes``?"""
+    sharding = getattr(x, "sharding", None)
+    return (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
+            and len(sharding.spec) > 0
+            and bool(set(_shards.spec_axes(P(sharding.spec[0]))) & set(axes)))
 
 
 def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
@@ -492,6 +524,22 @@ def _shapes(arg: Any, parts: int) -> Any:
         return jax.ShapeDtypeStruct(shape, jax.typeof(x).dtype,
                                     weak_type=jax.typeof(x).weak_type)
     return jax.tree_util.tree_map(one, arg)
+
+
+def _closing_over(fun: Callable[..., Any], arrays: list[Any]) -> Callable[..., Any]:
+    """``fun`` taking the ``arrays`` it closes over as two last arguments."""
+    g = with_args(fun, arrays)
+    return lambda *a: g(*a[:-2], (*a[-2], *a[-1]))
+
+
+def _type_spec(x: Any) -> P | None:
+    """``x``'s layout, as its type shows it under Explicit axes (else None)."""
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return None
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    return P(*sharding.spec)
 
 
 def _rows_in_order(x: jax.Array, microbatches: int) -> jax.Array:

@@ -37,13 +37,16 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import Literal
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Markers: what the library's own functions leave in a traced loss where
 # they need the data axes, which exist only in the body.
 MEAN_COUNT = "skipreduce_mean_count"  # mean_count: the count made global
 RANK_KEY = "skipreduce_rank_key"      # rank_key: a key folded with the rank
+# The mesh axis that holds the ranks while a loss is traced as one rank's
+# jit sees it under Explicit axes (see trace).
+_RANKS = "skipreduce_ranks"
 # True while a loss is traced for replay: the markers are left.
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "skipreduce_tracing_for_replay", default=False)
@@ -83,7 +86,7 @@ class Traced(NamedTuple):
 
 
 def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
-          mesh: Any, axes: tuple[str, ...]) -> Traced:
+          mesh: Any, axes: tuple[str, ...], specs: Sequence[Any] | None = None) -> Traced:
     """``fun`` traced under ``mesh`` on the shapes of one rank's ``args``.
 
     Args:
@@ -93,6 +96,12 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
         batch): which outputs depend on it is worked out from the jaxpr.
       mesh: the step's mesh.
       axes: its data axes.
+      specs: for a loss that sets layouts over Explicit axes
+        (``jax.sharding.reshard``, ``out_sharding=``), each leaf's layout in
+        the caller's step (None: replicated). It is then traced as one
+        rank's jit sees it: under ``mesh`` with the data axes of size 1 (the
+        ranks moved to an axis of their own, as a mesh keeps its size inside
+        ``jax.jit``), its arguments typed with those layouts.
 
     It is traced with no mesh set, as a plain ``jax.jit`` step without
     ``jax.set_mesh`` has it. A loss that itself reduces over the data axes
@@ -112,26 +121,33 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
             full[i] = a
         return fun(*in_tree.unflatten(full))
 
-    shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype,
-                                   weak_type=getattr(leaves[i], "weak_type", False))
-              for i in at]
     abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+    one_rank = None if specs is None else jax.sharding.AbstractMesh(
+        tuple(1 if a in axes else n for a, n in zip(
+            abstract.axis_names, abstract.axis_sizes, strict=True))
+        + (math.prod(abstract.shape[a] for a in axes),),
+        (*abstract.axis_names, _RANKS), axis_types=(*abstract.axis_types, AxisType.Explicit))
+    shapes = [jax.ShapeDtypeStruct(
+        np.shape(leaves[i]), leaves[i].dtype,
+        weak_type=getattr(leaves[i], "weak_type", False),
+        sharding=None if one_rank is None else NamedSharding(one_rank, specs[i] or P()))
+        for i in at]
 
     def traced_under(context, **kwargs):
         with jax.sharding.use_abstract_mesh(context), _tracing():
             return jax.make_jaxpr(flat, return_shape=True, **kwargs)(*shapes)
 
     try:
-        closed, out = traced_under(jax.sharding.AbstractMesh((), ()))
+        closed, out = traced_under(one_rank or jax.sharding.AbstractMesh((), ()))
     except NameError as e:  # an unbound axis name: the loss's own collective
-        if not any(repr(a) in str(e) or f" {a}." in str(e) for a in axes):
+        if one_rank or not any(repr(a) in str(e) or f" {a}." in str(e) for a in axes):
             raise
         closed, out = traced_under(
             abstract.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
                                         for a in abstract.axis_names}),
             axis_env=[(a, mesh.shape[a]) for a in axes])
     except RuntimeError as e:  # a bare PartitionSpec: it needs a mesh
-        if "non-empty mesh" not in str(e):
+        if one_rank or "non-empty mesh" not in str(e):
             raise
         closed, out = traced_under(
             abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names}))
@@ -140,6 +156,12 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
     return Traced(closed.jaxpr, list(closed.consts), at,
                   jax.tree_util.tree_structure(out), _flags(closed.jaxpr, in_varying),
                   _sums(closed.jaxpr, in_varying, rows), in_varying)
+
+
+def closed_over(fun: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
+    """The arrays ``fun`` closes over, traced on the caller's ``args`` as its jit has them."""
+    with _tracing():
+        return list(jax.make_jaxpr(fun)(*args).consts)
 
 
 def replay(traced: Traced, markers: dict[str, Callable[[Any, bool], Any]]) -> Callable[..., Any]:
@@ -330,6 +352,8 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
 
     if name == "sharding_constraint":
         return constrain(ins[0], params["sharding"])
+    if name == "reshard":
+        return constrain(ins[0], params["dst_sharding"])
     if name in ("jit", "pjit"):
         if params["name"] in markers:
             return [markers[params["name"]](ins[0], in_flags[0])]
@@ -363,15 +387,68 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
         return jax.checkpoint(
             lambda *a: _eval(inner, (), a, in_flags, markers),
             prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
+    if name == "custom_jvp_call" and _typed(params["call_jaxpr"]) and not any(
+            _holds_marker(j) for j in _jaxprs(params)):
+        return _custom_jvp(params, ins, in_flags, markers)
+    if name == "custom_vjp_call" and _typed(params["call_jaxpr"]):
+        info = params["call_jaxpr"].jaxpr.debug_info
+        raise ValueError(
+            "value_and_grad: the loss sets layouts over Explicit mesh axes "
+            "(jax.sharding.reshard, out_sharding=) and calls a jax.custom_vjp "
+            f"function ({getattr(info, 'func_src_info', None) or 'its name unknown'}), "
+            "whose backward rule JAX checks against the layouts of the trace; on "
+            "each rank, where the data axes are Manual, it cannot run. Run the step "
+            "on a mesh of Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,) "
+            "* n)), where layouts are constraints, or set no layouts in the loss.")
     if any(_holds_marker(j) for j in _jaxprs(params)):
         raise ValueError(
             f"value_and_grad: skipreduce_jax.mean_count or rank_key is called inside "
             f"a function that JAX keeps whole ({name}: a jax.custom_vjp or "
             "custom_jvp), where the library cannot reach it per rank. Call it "
             "outside that function and pass its result in.")
-    params = {k: _rehomed(v) if isinstance(v, NamedSharding) else v
-              for k, v in params.items()}
-    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+    # A layout set by the operation (out_sharding=) names the trace's mesh:
+    # the operation runs without it, and its output is constrained to it.
+    layouts = [v for v in params.values() if isinstance(v, NamedSharding)]
+    params = {k: None if isinstance(v, NamedSharding) else v for k, v in params.items()}
+    out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+    if layouts and not eqn.primitive.multiple_results:
+        out = constrain(out, layouts[0])
+    return out
+
+
+def _typed(closed: Any) -> bool:
+    """Does ``closed`` (a ClosedJaxpr) type its inputs with a mesh's layouts?"""
+    return any(not getattr(getattr(a, "sharding", None), "mesh", AbstractMesh((), ())).empty
+               for a in closed.in_avals)
+
+
+def _custom_jvp(params: dict[str, Any], ins: list[Any], in_flags: list[bool],
+                markers: dict[str, Callable[[Any, bool], Any]]) -> list[Any]:
+    """A ``jax.custom_jvp`` traced under Explicit axes, in the body.
+
+    Its function and its JVP rule's jaxpr (from the rule the user wrote)
+    are replayed like the loss; the rule stays the rule.
+    """
+    call, consts = params["call_jaxpr"], params["num_consts"]
+    flags = in_flags[consts:]
+
+    @jax.custom_jvp
+    def f(*xs):
+        return _eval(call.jaxpr, call.consts, [*ins[:consts], *xs], in_flags, markers)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        traced_on = next(a.sharding.mesh for a in call.in_avals
+                         if not a.sharding.mesh.empty)
+        with jax.sharding.use_abstract_mesh(traced_on):  # the rule's trace
+            jaxpr, jvp_consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
+                *[False] * len(primals))
+        out = _eval(jaxpr, jvp_consts, [*primals, *tangents], flags + flags, markers)
+        out_primals, nonzero = out[:len(out_zeros)], iter(out[len(out_zeros):])
+        return out_primals, [jax.numpy.zeros_like(p) if z else next(nonzero)
+                             for p, z in zip(out_primals, out_zeros, strict=True)]
+
+    return f(*ins[consts:])
 
 
 def _jaxprs(params: dict[str, Any]) -> Iterator[Any]:
@@ -389,14 +466,6 @@ def _holds_marker(jaxpr: Any) -> bool:
                for e in jaxpr.eqns)
 
 
-def _rehomed(sharding: NamedSharding) -> NamedSharding:
-    """An output sharding of the trace's mesh, on the body's (its axes Auto)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if t == AxisType.Auto]
-    return NamedSharding(mesh, _keeping(list(sharding.spec), auto))
-
-
 def constrain(x: Any, sharding: Any) -> Any:
     """A constraint of the caller's mesh, applied to one rank's value.
 
@@ -407,8 +476,11 @@ def constrain(x: Any, sharding: Any) -> Any:
     """
     mesh = jax.sharding.get_abstract_mesh()
     if isinstance(sharding, NamedSharding):
-        theirs = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
-        ours = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        # A trace under Explicit axes has the data axes (Manual here) of size 1.
+        manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                  if t == AxisType.Manual and _RANKS in sharding.mesh.axis_names} | {_RANKS}
+        theirs, ours = ({a: n for a, n in zip(m.axis_names, m.axis_sizes, strict=True)
+                         if a not in manual} for m in (sharding.mesh, mesh))
         if theirs != ours:
             raise ValueError(
                 "with_sharding_constraint in the loss: the sharding's mesh has "

@@ -10,6 +10,7 @@ without them gives. In the per-rank steps (``data_parallel``,
 with the fix.
 """
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -226,24 +227,55 @@ def _value_and_grad_steps(loss, mesh, data, params, batch, specs, steps):
     return params, losses
 
 
+def _plain_steps(loss, mesh, params, batch, steps):
+    """The same loop with jax.value_and_grad: the reference."""
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s, batch):
+        value, grads = jax.value_and_grad(loss)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    state, losses = tx.init(params), []
+    with jax.set_mesh(mesh):
+        for _ in range(steps):
+            params, state, value = step(params, state, batch)
+            losses.append(float(value))
+    return params, losses
+
+
+def _outcome(run):
+    try:
+        return run(), None
+    except Exception as e:  # noqa: BLE001 -- compared with plain jit's
+        return None, e
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["host-batch", "placed-batch"])
 @pytest.mark.parametrize("name", sorted(MESHES))
-def test_a_global_named_sharding_constraint_works_in_value_and_grad(name):
-    """Auto axes: as plain jit has it. Explicit axes: JAX's own refusal of
-    ``with_sharding_constraint`` on them (plain jit accepts only one equal to
-    the value's type; spell layouts with ``jax.sharding.reshard`` there)."""
+def test_a_global_named_sharding_constraint_works_in_value_and_grad(name, placed):
+    """As plain jit has it: on Auto axes a constraint; on Explicit axes an
+    assertion of the value's layout, which holds for a batch placed as it
+    says and fails, with JAX's own error, for one that is not."""
     mesh, data, batch_spec, params, batch = _setup(name)
-    if MESHES[name][2] == AxisType.Explicit:
-        with pytest.raises(ValueError, match="can only refer to Auto axes"):
-            _value_and_grad_steps(_loss_fn(mesh, batch_spec, True), mesh, data, params,
-                                  batch, {"w1": MESHES[name][5], "w2": P()}, 1)
-        return
+    if placed:
+        batch = (jax.device_put(batch[0], NamedSharding(mesh, batch_spec)),
+                 jax.device_put(batch[1], NamedSharding(mesh, batch_spec)))
     specs = {"w1": MESHES[name][5], "w2": P()}
-    runs = [_value_and_grad_steps(_loss_fn(mesh, batch_spec, constrained), mesh, data,
-                                  params, batch, specs, STEPS) for constrained in (True, False)]
-    (params, losses), (ref_params, ref_losses) = runs
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    loss = _loss_fn(mesh, batch_spec, True)
+    ours, error = _outcome(lambda: _value_and_grad_steps(loss, mesh, data, params, batch,
+                                                         specs, STEPS))
+    plain, plain_error = _outcome(lambda: _plain_steps(loss, mesh, params, batch, STEPS))
+    if plain_error is not None:
+        assert error is not None, "plain jit refused this loss, value_and_grad ran it"
+        assert type(error) is type(plain_error)
+        assert str(error).split("\n")[0] == str(plain_error).split("\n")[0]
+        return
+    assert error is None, error
+    np.testing.assert_allclose(ours[1], plain[1], rtol=1e-6)
     for k in params:
-        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(ours[0][k], plain[0][k], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
@@ -393,3 +425,99 @@ def test_a_bare_spec_under_set_mesh_and_a_marker_in_custom_vjp():
         jax.jit(lambda *a: sr.value_and_grad(
             lambda w, x, m: normalized(jnp.sum(m[:, None] * (x @ w) ** 2), jnp.sum(m)),
             mesh8, "data", step=0, num_skip=0, min_size=0)(*a))(W, X, MASK)
+
+
+@jax.custom_jvp
+def _straight_through_round(x):
+    return jnp.round(x)
+
+
+# The rule is not the derivative of round (0 almost everywhere): replayed, it
+# must stay the user's rule.
+_straight_through_round.defjvp(lambda p, t: (jnp.round(p[0]), t[0]))
+
+
+@jax.custom_vjp
+def _clipped_backward(x):
+    return x
+
+
+_clipped_backward.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+
+# Layout calls as code written for Explicit axes spells them.
+EXPLICIT_LAYOUTS = {
+    "out_sharding": lambda h: h,
+    "reshard": lambda h: jax.sharding.reshard(h, P("data", None)),
+    "reshard_over_model": lambda h: jax.sharding.reshard(h, P(None, "model")),
+    "zeros_out_sharding": lambda h: h + jnp.zeros(h.shape, out_sharding=P("data", "model")),
+    "gather_out_sharding": lambda h: h + jnp.eye(h.shape[1]).at[jnp.argmax(h, -1)].get(
+        out_sharding=P("data", None)),  # a row of a table per example
+    "custom_jvp": lambda h: _straight_through_round(h * 4) / 4,
+}
+
+
+def _explicit_loss(layout, x, weights):
+    """A loss written for a (data, model) mesh of Explicit axes, closing over
+    its batch, with a padded-token count in aux."""
+    def loss(p):
+        h = jnp.einsum("bi,ij->bj", x, p["w1"], out_sharding=P("data", "model"))
+        h = jax.nn.softmax(EXPLICIT_LAYOUTS[layout](jax.nn.relu(h)), axis=-1)
+        out = jnp.einsum("bj,jk->bk", h, p["w2"], out_sharding=P("data"))
+        err = jnp.sum((out - 1.0) ** 2, axis=-1)
+        count = jnp.sum(weights)
+        return jnp.sum(err * weights) / sr.mean_count(count), {"count": count}
+    return loss
+
+
+def _explicit_setup():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))  # Explicit, as make_mesh makes them
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    weights = (rng.random(32) < 0.7).astype(np.float32)
+    params = {"w1": jax.device_put(rng.normal(size=(16, 8)).astype(np.float32),
+                                   NamedSharding(mesh, P(None, "model"))),
+              "w2": jax.device_put(rng.normal(size=(8, 1)).astype(np.float32),
+                                   NamedSharding(mesh, P()))}
+    x, weights = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, weights))
+    return mesh, params, x, weights
+
+
+@pytest.mark.parametrize("layout", sorted(EXPLICIT_LAYOUTS))
+def test_layouts_over_explicit_axes_in_the_loss_run_as_written(layout):
+    """Before: JAX refused them (a PartitionSpec without a mesh, Auto axes)."""
+    mesh, params, x, weights = _explicit_setup()
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def ours(p, x, weights, k):
+        return sr.value_and_grad(_explicit_loss(layout, x, weights), step=5, has_aux=True,
+                                 axis_name="data", num_skip=k, min_size=0)(p)
+
+    @jax.jit
+    def plain(p, x, weights):
+        return jax.value_and_grad(_explicit_loss(layout, x, weights), has_aux=True)(p)
+
+    with jax.set_mesh(mesh):
+        (value, aux), grads = ours(params, x, weights, 0)
+        (ref, ref_aux), ref_grads = plain(params, x, weights)
+        skipped = ours(params, x, weights, 2)[1]
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    assert float(aux["count"]) == float(ref_aux["count"])
+    for k in grads:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
+        assert jax.typeof(grads[k]).sharding.spec == jax.typeof(ref_grads[k]).sharding.spec
+    # Skipping shows: each rank held its own rows' gradient.
+    assert np.abs(np.asarray(skipped["w1"]) - np.asarray(grads["w1"])).max() > 1e-3
+
+
+def test_a_custom_vjp_with_layouts_over_explicit_axes_is_refused_by_name():
+    mesh, params, x, weights = _explicit_setup()
+
+    def loss(p, x):
+        h = jnp.einsum("bi,ij->bj", x, p["w1"], out_sharding=P("data", "model"))
+        h = _clipped_backward(h)
+        return jnp.mean(jnp.einsum("bj,jk->bk", h, p["w2"], out_sharding=P("data")))
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"jax.custom_vjp function "
+                                                             r"\(_clipped_backward"):
+        jax.jit(lambda p, x: sr.value_and_grad(loss, step=0, axis_name="data", num_skip=2,
+                                               min_size=0)(p, x))(params, x)

@@ -111,6 +111,34 @@ def test_a_loss_closing_over_the_batch_runs_on_each_ranks_rows(axis_type, form):
         np.testing.assert_array_equal(a, b)
 
 
+@AXIS_TYPES
+def test_a_placed_batch_closed_over_as_a_constant_is_split(axis_type):
+    """A global batch the step closes over (not a jit argument) is its rows."""
+    params, x = _data()
+    mesh = _mesh(axis_type)
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    loss = lambda p: _loss(p, x)[0]  # noqa: E731
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def step(p, k):
+        return sr.value_and_grad(loss, mesh, "data", step=3, num_skip=k, min_size=0)(p)
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def passing(p, x, k):
+        return sr.value_and_grad(lambda p, x: _loss(p, x)[0], mesh, "data", step=3,
+                                 num_skip=k, min_size=0)(p, x)
+
+    with jax.set_mesh(mesh):
+        value, grads = step(params, 0)
+        skipped, as_argument = step(params, 4)[1], passing(params, x, 4)[1]
+    ref, ref_grads = jax.value_and_grad(lambda p: _loss(p, np.asarray(x))[0])(params)
+    np.testing.assert_allclose(value, ref, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(skipped), jax.tree.leaves(as_argument), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(np.asarray(skipped["w"]) - np.asarray(grads["w"])).max() > 1e-2
+
+
 def test_a_closed_over_batch_out_of_reach_is_refused():
     """A batch held as an object's attribute cannot be split: refused by name."""
     params, x = _data()
