@@ -59,6 +59,7 @@ from skipreduce_jax._training import shard_params as shard_params
 from skipreduce_jax._training import state_specs as state_specs
 from skipreduce_jax._training import to_varying as to_varying
 from skipreduce_jax._transform import NothingSkippedWarning as NothingSkippedWarning
+from skipreduce_jax._transform import SkipConfig as SkipConfig
 from skipreduce_jax._transform import SkipReduceState as SkipReduceState
 from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize

@@ -11,7 +11,6 @@ passes, as :func:`skip_reduce` derives them from its own step count.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,7 +38,7 @@ from skipreduce_jax._parallel import (
     rank_key,
 )
 from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, closed_over, divisor, replay, trace
-from skipreduce_jax._transform import skip_reduce
+from skipreduce_jax._transform import SkipConfig, skip_config, skip_reduce
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
@@ -52,7 +51,6 @@ _OUT_OF_REACH = (
     "a batch held in a closure cell, a default or a functools.partial is passed to "
     "each rank as its rows, but this one is out of reach (a global, or an attribute "
     "of an object the loss holds): it would reach every rank whole, and")
-_SKIP_OPTIONS = frozenset(inspect.signature(skip_reduce).parameters) - {"axis_name"}
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
 _STATEFUL = {
@@ -78,6 +76,7 @@ def value_and_grad(
     batch_argnums: int | Sequence[int] | None = None,
     param_specs: Any = None,
     microbatches: int = 1,
+    config: SkipConfig | None = None,
     **skip_options: Any,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` whose gradient all-reduce is SkipReduce.
@@ -176,6 +175,7 @@ def value_and_grad(
         one entry per micro-batch (leading axis ``microbatches``), to be
         summed or averaged as it means; :class:`PerRank` leaves as rows in
         the global batch's order.
+      config: the skip settings as a :class:`SkipConfig` (or as keywords).
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
@@ -208,13 +208,14 @@ def value_and_grad(
     """
     return build(fun, mesh, axis_name, step=step, has_aux=has_aux, argnums=argnums,
                  batch_argnums=batch_argnums, param_specs=param_specs,
-                 microbatches=microbatches, skip_options=skip_options)
+                 microbatches=microbatches, config=config, skip_options=skip_options)
 
 
 def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           step: Any, has_aux: bool, argnums: int | Sequence[int],
           batch_argnums: int | Sequence[int] | None, param_specs: Any,
           microbatches: int, skip_options: dict[str, Any],
+          config: SkipConfig | None = None,
           describe: Callable[[int], str] = "argument {}".format,
           state_path: tuple[int, ...] = ()) -> Callable[..., Any]:
     """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``.
@@ -229,9 +230,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                          "axis, or two (outer, inner) for hierarchical SkipReduce.")
     step = _check_step(step)
     microbatches = checks.check_int(microbatches, "microbatches", api=_API, minimum=1)
-    _check_options(skip_options)
+    config = _check_options(config, skip_options)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
-                     **skip_options)
+                     config=config)
     params_at = positions(argnums, "argnums", api=_API)
     given_batch = (None if batch_argnums is None
                    else positions(batch_argnums, "batch_argnums", api=_API))
@@ -665,18 +666,14 @@ def _check_step(step: Any) -> Any:
     return step.astype(jnp.int32)
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - _SKIP_OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"{_API}: unknown options {unknown}; the options are "
-            f"value_and_grad's own and skip_reduce's ({sorted(_SKIP_OPTIONS)}).")
+def _check_options(config: SkipConfig | None, options: dict[str, Any]) -> SkipConfig:
+    """The skip settings, refused where they need state from step to step."""
+    if "inner_axis" in options:
+        raise ValueError(f"{_API}: {_STATEFUL['inner_axis']}.")
+    config = skip_config(config, options, api=_API)
     for name, why in _STATEFUL.items():
-        value = options.get(name)
-        if value is None or value is False:
-            continue
-        if name == "inner_axis":
-            raise ValueError(f"{_API}: {why}.")
-        raise ValueError(
-            f"{_API}: {why}, and value_and_grad keeps no state from step to "
-            f"step. {_OPTAX_ROUTE}")
+        if getattr(config, name, False):
+            raise ValueError(
+                f"{_API}: {why}, and value_and_grad keeps no state from step to "
+                f"step. {_OPTAX_ROUTE}")
+    return config

@@ -7,7 +7,6 @@ tests check it against the bytes read from compiled programs.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -19,7 +18,7 @@ from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._buckets import plan_buckets
 from skipreduce_jax._collectives import summed_dtype, wire_dtypes
 from skipreduce_jax._selection import needs_params
-from skipreduce_jax._transform import _make_config, skip_reduce
+from skipreduce_jax._transform import SkipConfig, _Config, skip_config
 from skipreduce_jax._types import PyTree
 
 
@@ -56,6 +55,7 @@ def comm_stats(
     axis_size: int,
     *,
     params: PyTree = None,
+    config: SkipConfig | None = None,
     **skip_reduce_kwargs: Any,
 ) -> CommStats:
     """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
@@ -71,6 +71,7 @@ def comm_stats(
         gradients.
       axis_size: N, the size of ``axis_name``.
       params: passed to a callable ``selective`` (required then).
+      config: the settings as a :class:`SkipConfig` (or as keywords).
       **skip_reduce_kwargs: the arguments of :func:`skip_reduce`, and
         ``inner_size`` (L, the size of ``inner_axis``; required with it).
 
@@ -85,14 +86,10 @@ def comm_stats(
     """
     api = "comm_stats"
     inner = skip_reduce_kwargs.pop("inner_size", None)
-    try:
-        args = inspect.signature(skip_reduce).bind(
-            skip_reduce_kwargs.pop("axis_name", "data"), **skip_reduce_kwargs)
-    except TypeError as e:
-        raise TypeError(f"{api}: {e}; it takes the keyword arguments of "
-                        "skip_reduce, inner_size and params.") from None
-    args.apply_defaults()
-    config = _make_config(**args.arguments)
+    axis_name = skip_reduce_kwargs.pop("axis_name", "data")
+    inner_axis = skip_reduce_kwargs.pop("inner_axis", None)
+    config = _Config.of(skip_config(config, skip_reduce_kwargs, api=api),
+                        axis_name, inner_axis)
     for name, value in (("axis_size", axis_size),
                         ("inner_size", 1 if inner is None else inner)):
         checks.check_int(value, name, api=api, minimum=1,

@@ -81,27 +81,92 @@ class SkipReduceState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    axis_name: str
-    num_skip: int | None
-    skip_ratio: float | None
-    seed: int
-    randomize: bool
-    balanced: bool
-    selective: Any
-    min_size: int
-    warmup_steps: int
-    error_feedback: bool
-    exact_radial: bool | None
-    inner_axis: str | None
-    chunks_per_rank: int | None
-    bucket_bytes: int
-    accumulate_dtype: Any
-    verify_sync: bool
-    check_finite: bool
-    params_sharded: bool
+class SkipConfig:
+    """SkipReduce's settings, checked once, in one frozen object.
+
+    Its fields are :func:`skip_reduce`'s keyword options (described there),
+    without the mesh axes. :func:`skip_reduce`, :func:`value_and_grad` and
+    :func:`comm_stats` build one from their keywords, or take one as
+    ``config=``, so that one object carries a run's settings to each of
+    them. Give exactly one of ``num_skip`` and ``skip_ratio``;
+    ``dataclasses.replace(config, ...)`` derives another, checked again.
+
+    Raises:
+      ValueError, TypeError: for a setting out of range, naming it.
+
+    Example:
+      >>> config = sr.SkipConfig(skip_ratio=0.5, min_size=0)
+      >>> tx = optax.chain(sr.skip_reduce("data", config=config), optax.sgd(0.1))
+      >>> round(sr.comm_stats({"w": jnp.zeros((1024, 1024))}, 8, config=config).ratio, 3)
+      0.714
+    """
+
+    num_skip: int | None = None
+    skip_ratio: float | None = None
+    seed: int = 0
+    randomize: bool = True
+    balanced: bool = True
+    selective: Any = None
+    min_size: int = 100_000
+    warmup_steps: int = 0
+    error_feedback: bool = False
+    exact_radial: bool | None = None
+    chunks_per_rank: int | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    accumulate_dtype: Any = None
+    check_finite: bool = False
+    params_sharded: bool = False
+    verify_sync: bool = False
     comm_dtype: Any = None
     layout: str = "flat"
+
+    def __post_init__(self):
+        # Plain Python values, so that equal settings have equal fingerprints.
+        for name, value in _checked(self).items():
+            object.__setattr__(self, name, value)
+
+
+SKIP_OPTIONS = tuple(f.name for f in dataclasses.fields(SkipConfig))
+
+
+def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
+                api: str) -> SkipConfig:
+    """``config``, or the one ``options`` (keywords of ``api``) build; not both."""
+    if config is None:
+        unknown = sorted(set(options) - set(SKIP_OPTIONS))
+        if unknown:
+            raise TypeError(f"{api}: unknown options {unknown}; SkipReduce's options "
+                            f"are {list(SKIP_OPTIONS)}.")
+        return SkipConfig(**options)
+    if not isinstance(config, SkipConfig):
+        raise TypeError(f"{api}: config must be a skipreduce_jax.SkipConfig, got "
+                        f"{type(config).__name__}.")
+    if options:
+        raise TypeError(
+            f"{api}: pass the settings as config= or as keyword options, not both "
+            f"(got config and {sorted(options)}); dataclasses.replace(config, ...) "
+            "changes some of them.")
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config(SkipConfig):
+    """A :class:`SkipConfig` with the mesh axes it reduces over."""
+
+    axis_name: str = "data"
+    inner_axis: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.axis_name, str):
+            raise TypeError(f"{_API}: axis_name={self.axis_name!r} must be a mesh axis "
+                            "name (str); use inner_axis= for hierarchical mode.")
+        checks.check_distinct_axes(self.axis_name, self.inner_axis, api=_API)
+
+    @classmethod
+    def of(cls, config: SkipConfig, axis_name: str, inner_axis: str | None) -> _Config:
+        return cls(axis_name=axis_name, inner_axis=inner_axis,
+                   **{name: getattr(config, name) for name in SKIP_OPTIONS})
 
     def fingerprint(self) -> int:
         """A checksum of the settings that every rank must share."""
@@ -146,6 +211,7 @@ class _Config:
 def skip_reduce(
     axis_name: str,
     *,
+    config: SkipConfig | None = None,
     num_skip: int | None = None,
     skip_ratio: float | None = None,
     seed: int = 0,
@@ -183,6 +249,8 @@ def skip_reduce(
     Args:
       axis_name: the data-parallel mesh axis (the slow one with
         ``inner_axis``).
+      config: all the options below but ``inner_axis``, as one
+        :class:`SkipConfig` (then pass none of them as keywords).
       num_skip: k, the reduce-scatter steps skipped, an int in [0, N - 1].
       skip_ratio: the fraction of the N - 1 reduce-scatter steps to skip,
         rounded half up to k: 0.5 on 8 ranks gives k = 4.
@@ -240,7 +308,9 @@ def skip_reduce(
       Kasan, Abts, Choi, Kim. SkipReduce: (Interconnection) Network
       Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
     """
-    config = _make_config(**locals())  # checks every argument once
+    options = {name: value for name, value in locals().items()
+               if name in SKIP_OPTIONS and not _is_default(name, value)}
+    config = _Config.of(skip_config(config, options, api=_API), axis_name, inner_axis)
     warned = []  # the BatchNorm warning, once per transformation
 
     def init_fn(params):
@@ -275,12 +345,18 @@ def _residual_rows(config: _Config, params: Any) -> Any:
         for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
 
 
-def _make_config(
-    *, axis_name, num_skip, skip_ratio, seed, randomize, balanced, selective,
-    min_size, warmup_steps, error_feedback, exact_radial, inner_axis,
-    chunks_per_rank, bucket_bytes, accumulate_dtype, check_finite, verify_sync,
-    params_sharded, comm_dtype=None, layout="flat",
-) -> _Config:
+def _is_default(name: str, value: Any) -> bool:
+    """Is ``value`` the default of :class:`SkipConfig`'s field ``name``?"""
+    default = _DEFAULTS[name]
+    return value is default or (type(value) is type(default) and value == default)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig)}
+
+
+def _checked(config: SkipConfig) -> dict[str, Any]:
+    """``config``'s settings, each checked (and made a plain Python value)."""
+    num_skip, skip_ratio = config.num_skip, config.skip_ratio
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
             f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
@@ -298,23 +374,18 @@ def _make_config(
                              "in [0, 1].") from None
     # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
     # silently be the key of 5.
-    seed = checks.check_int(seed, "seed", api=_API, minimum=0,
+    seed = checks.check_int(config.seed, "seed", api=_API, minimum=0,
                             maximum=2**32 - 1, type_error=ValueError,
                             allowed="in [0, 2**32) (an int)")
-    min_size = checks.check_int(min_size, "min_size", api=_API, minimum=0,
+    min_size = checks.check_int(config.min_size, "min_size", api=_API, minimum=0,
                                 type_error=ValueError)
-    warmup_steps = checks.check_int(warmup_steps, "warmup_steps", api=_API,
+    warmup_steps = checks.check_int(config.warmup_steps, "warmup_steps", api=_API,
                                     minimum=0, type_error=ValueError)
-    if not isinstance(axis_name, str):
-        raise TypeError(f"{_API}: axis_name={axis_name!r} must be a mesh axis "
-                        "name (str); use inner_axis= for hierarchical mode.")
-    checks.check_distinct_axes(axis_name, inner_axis, api=_API)
-    check_selective(selective, api=_API)
-    flags = {name: checks.check_bool(value, name, api=_API) for name, value in (
-        ("randomize", randomize), ("balanced", balanced),
-        ("error_feedback", error_feedback),
-        ("check_finite", check_finite), ("verify_sync", verify_sync),
-        ("params_sharded", params_sharded))}
+    check_selective(config.selective, api=_API)
+    flags = {name: checks.check_bool(getattr(config, name), name, api=_API) for name in (
+        "randomize", "balanced", "error_feedback", "check_finite", "verify_sync",
+        "params_sharded")}
+    exact_radial = config.exact_radial
     if exact_radial is not None:
         exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
     if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
@@ -323,20 +394,14 @@ def _make_config(
             "error feedback; pass error_feedback=False and params_sharded=False "
             "(error feedback alone also removes the BatchNorm drift).")
     chunks_per_rank, bucket_bytes = coll.check_sizes(
-        chunks_per_rank, bucket_bytes, api=_API)
-    accumulate_dtype = coll.check_accumulate_dtype(accumulate_dtype, api=_API)
-    comm_dtype = checks.check_comm_dtype(comm_dtype, api=_API)
-    layout = checks.check_choice(layout, "layout", LAYOUTS, api=_API)
-
-    # Plain Python values, so that equal settings have equal fingerprints.
-    return _Config(
-        axis_name=axis_name, num_skip=num_skip,
-        skip_ratio=skip_ratio,
-        seed=seed, selective=selective,
-        min_size=min_size, warmup_steps=warmup_steps, inner_axis=inner_axis,
-        exact_radial=exact_radial, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes,
-        accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype, layout=layout,
+        config.chunks_per_rank, config.bucket_bytes, api=_API)
+    return dict(
+        num_skip=num_skip, skip_ratio=skip_ratio, seed=seed, selective=config.selective,
+        min_size=min_size, warmup_steps=warmup_steps, exact_radial=exact_radial,
+        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
+        accumulate_dtype=coll.check_accumulate_dtype(config.accumulate_dtype, api=_API),
+        comm_dtype=checks.check_comm_dtype(config.comm_dtype, api=_API),
+        layout=checks.check_choice(config.layout, "layout", LAYOUTS, api=_API),
         **flags)
 
 

@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._per_rank import per_rank_names
-from skipreduce_jax._transform import SkipReduceState, _Config
+from skipreduce_jax._transform import SkipConfig, SkipReduceState
 from skipreduce_jax._types import PyTree
 
 __all__ = ["latest_step", "restore", "save"]
@@ -222,8 +222,8 @@ def _abstract(tree: Any, name: str) -> Any:
 
 # The settings the fingerprint compares: all of skip_reduce's but these.
 _NOT_COMPARED = ("seed", "selective", "verify_sync")
-_COMPARED = [f.name for f in dataclasses.fields(_Config)
-             if f.name not in _NOT_COMPARED]
+_COMPARED = ["axis_name", "inner_axis"] + [
+    f.name for f in dataclasses.fields(SkipConfig) if f.name not in _NOT_COMPARED]
 _COMPARED_SETTINGS = f"{', '.join(_COMPARED[:-1])} and {_COMPARED[-1]}"
 
 

@@ -161,6 +161,7 @@ def value_and_grad(
     batch_argnums: int | Sequence[int] | None = None,
     rank_rngs: bool = True,
     param_specs: Any = None,
+    config: Any = None,
     **skip_options: Any,
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` whose gradient all-reduce is SkipReduce.
@@ -201,6 +202,8 @@ def value_and_grad(
       rank_rngs: per-rank RNG streams during the call (see above).
       param_specs: as for :func:`skipreduce_jax.value_and_grad` (a prefix
         of the ``wrt`` state).
+      config: the skip settings as a :class:`skipreduce_jax.SkipConfig`
+        (or as keywords).
       **skip_options: :func:`skipreduce_jax.skip_reduce`'s options.
 
     Returns:
@@ -236,7 +239,7 @@ def value_and_grad(
         (loss, (aux, rest)), grads = build(
             pure, mesh, axis_name, step=step, has_aux=True, argnums=0,
             batch_argnums=batch, param_specs=param_specs, microbatches=1,
-            skip_options=skip_options,
+            config=config, skip_options=skip_options,
             describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
             state_path=(1, 1))(
                 params, others, *args)

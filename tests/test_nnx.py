@@ -255,3 +255,47 @@ def test_batchnorm_found_by_type_turns_exact_radial_on(exact_radial):
     exact = exact_radial is None
     assert np.allclose(radial, want, rtol=1e-4, atol=1e-6) == exact
     assert np.allclose(bias, want_bias, rtol=1e-5, atol=1e-7) == exact
+
+
+class _ModelParallelMLP(nnx.Module):
+    """An NNX model written for a (data, model) mesh of Explicit axes."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.l1 = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                             rngs=rngs)
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                             rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.sharding.reshard(self.l1(x), P("data", None))
+        return self.l2(nnx.gelu(self.norm(h)))
+
+
+def test_a_model_written_for_explicit_axes_runs_as_written():
+    """Partitioned kernels and a reshard in the forward pass, on make_mesh's axes."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    x, y = (rng.normal(size=(32, n)).astype(np.float32) for n in (16, 4))
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    @nnx.jit(static_argnums=3)
+    def ours(model, x, y, k):
+        return srnnx.value_and_grad(loss_fn, mesh, "data", step=1, num_skip=k,
+                                    min_size=0)(model, x, y)
+
+    with jax.set_mesh(mesh):
+        model = _ModelParallelMLP(nnx.Rngs(0))
+        x, y = (jax.device_put(a, P("data")) for a in (x, y))
+        ref, ref_grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, x, y)
+        value, grads = ours(model, x, y, 0)
+        skipped = ours(model, x, y, 2)[1]
+    np.testing.assert_allclose(value, ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
+    kernel = jax.tree.leaves(grads)[1]
+    assert np.abs(np.asarray(jax.tree.leaves(skipped)[1]) - np.asarray(kernel)).max() > 1e-4
