@@ -26,18 +26,17 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._closure import with_args
-from skipreduce_jax._count import global_count
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
     AxisNames,
     check_batch,
     data_spec,
+    markers,
     mesh_axes,
     per_rank_flags,
     positions,
-    rank_key,
 )
-from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, closed_over, divisor, replay, trace
+from skipreduce_jax._replay import closed_over, divisor, replay, trace
 from skipreduce_jax._transform import SkipConfig, skip_config, skip_reduce
 from skipreduce_jax._vma import varying_axes
 
@@ -508,12 +507,6 @@ def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> A
     ``single``: ``argnums`` is an int (else a tuple, grads as a tuple).
     """
     return args[params_at[0]] if single else tuple(args[i] for i in params_at)
-
-
-def markers(axes: tuple[str, ...]) -> dict[str, Callable[[Any, bool], Any]]:
-    """What the library's markers in a traced loss become on a rank."""
-    return {MEAN_COUNT: lambda count, varying: global_count(count, axes, varying),
-            RANK_KEY: lambda key, _: rank_key(key, axes)}
 
 
 def _shapes(arg: Any, parts: int) -> Any:

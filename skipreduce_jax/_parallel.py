@@ -36,10 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
-from skipreduce_jax._count import counting_over
+from skipreduce_jax._count import counting_over, global_count
 from skipreduce_jax._guards import callback_error, host_checks_traced
 from skipreduce_jax._per_rank import per_rank_names
-from skipreduce_jax._replay import RANK_KEY, mark, tracing_for_replay
+from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, mark, tracing_for_replay
 from skipreduce_jax._vma import varying_axes
 
 AxisNames = str | tuple[str, ...]
@@ -115,6 +115,12 @@ def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
         size = checks.axis_size(axis, api="rank_key")
         index = index * size + lax.axis_index(axis)
     return jax.random.fold_in(key, index)
+
+
+def markers(axes: tuple[str, ...]) -> dict[str, Callable[[Any, bool], Any]]:
+    """What the library's markers in a replayed loss become on a rank."""
+    return {MEAN_COUNT: lambda count, varying: global_count(count, axes, varying),
+            RANK_KEY: lambda key, _: rank_key(key, axes)}
 
 
 def per_rank_flags(tree: Any) -> list[bool]:
@@ -551,7 +557,7 @@ class DataParallelStep:
         try:
             jax.eval_shape(mapped(probe, (), ()), *flat)
         except ValueError as e:
-            if not any(m in str(e) for m in _PJIT_ONLY):
+            if not any(m in str(e) for m in PJIT_ONLY):
                 raise
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
@@ -559,9 +565,10 @@ class DataParallelStep:
                 "(a with_sharding_constraint, or flax unboxing a partitioned "
                 f"kernel): {first} Inside the step the data axes {list(axes)} are "
                 "Manual and each rank holds only its own rows. Constrain with the "
-                "step's mesh and without the data axes, or keep the step pjit code "
-                "and take the gradients with skipreduce_jax.value_and_grad, which "
-                "traces the loss as plain jax.jit code.") from e
+                "step's mesh and without the data axes, put the constraint in the "
+                "loss given to local_value_and_grad (replayed per rank on Auto "
+                "axes), or keep the step pjit code and take the gradients with "
+                "skipreduce_jax.value_and_grad.") from e
         out_tree = found["tree"]
         rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
         out_specs = tuple(spec if r else P() for r in rows)
@@ -576,7 +583,7 @@ class DataParallelStep:
 
 
 # JAX's and flax's errors for pjit-only sharding code traced per rank.
-_PJIT_ONLY = ("with_sharding_constraint", "manual_axis_type",
+PJIT_ONLY = ("with_sharding_constraint", "manual_axis_type",
               "only valid for values of rank at least")
 
 
@@ -741,11 +748,14 @@ def data_parallel(
     output with the structure of an argument (params, optimizer state, a
     TrainState) comes back in that argument's layout.
 
-    Inside the step, ``jax.lax.with_sharding_constraint(x, NamedSharding(
-    mesh, spec))`` with the global mesh works: the data axes are dropped
-    from ``spec`` (this rank's part of ``x`` is laid out over the other
-    axes as ``spec`` says). flax linen ``DenseGeneral`` kernels with several
-    features under ``nn.with_partitioning`` work too (docs/design.md).
+    A loss given to :func:`local_value_and_grad` may hold pjit code: a
+    ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` of
+    the global mesh, flax linen ``DenseGeneral`` kernels with several
+    features under ``nn.with_partitioning``. On Auto axes it is replayed
+    per rank with the data axes dropped from each ``spec`` (this rank's part
+    of ``x`` is laid out over the other axes as ``spec`` says; see
+    docs/design.md). In the step's own body, constrain without the data
+    axes.
 
     In a multi-process job a host batch is this process's part of the
     global batch, as for :func:`shard_batch`.

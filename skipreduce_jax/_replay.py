@@ -40,6 +40,8 @@ from jax.extend.core import Literal
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from skipreduce_jax._vma import varying_axes
+
 # Markers: what the library's own functions leave in a traced loss where
 # they need the data axes, which exist only in the body.
 MEAN_COUNT = "skipreduce_mean_count"  # mean_count: the count made global
@@ -387,9 +389,21 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
         return jax.checkpoint(
             lambda *a: _eval(inner, (), a, in_flags, markers),
             prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
-    if name == "custom_jvp_call" and _typed(params["call_jaxpr"]) and not any(
+    # In a body that types values as varying per rank, operands are made
+    # alike first, as jax.numpy's functions do (jaxprs carry no such types).
+    ins = _alike(ins)
+    if name == "custom_jvp_call" and (_typed(params["call_jaxpr"]) or _varies(ins)) and not any(
             _holds_marker(j) for j in _jaxprs(params)):
         return _custom_jvp(params, ins, in_flags, markers)
+    if name == "custom_vjp_call" and _varies(ins):
+        info = params["call_jaxpr"].jaxpr.debug_info
+        raise ValueError(
+            "the loss runs in a per-rank step (make_train_step, data_parallel), "
+            "traced as plain jit code for its layouts, and calls a jax.custom_vjp "
+            f"function ({getattr(info, 'func_src_info', None) or 'its name unknown'}), "
+            "whose backward rule JAX types for the trace, not for a rank. Take the "
+            "gradients with skipreduce_jax.value_and_grad in a plain jax.jit step, "
+            "or set no layouts naming the data axes in the loss.")
     if name == "custom_vjp_call" and _typed(params["call_jaxpr"]):
         info = params["call_jaxpr"].jaxpr.debug_info
         raise ValueError(
@@ -414,6 +428,24 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
     if layouts and not eqn.primitive.multiple_results:
         out = constrain(out, layouts[0])
     return out
+
+
+def _varies(ins: list[Any]) -> bool:
+    return any(_vma(x) for x in ins)
+
+
+def _vma(x: Any) -> frozenset[str]:
+    return varying_axes(x) if _is_array(x) else frozenset()
+
+
+def _alike(ins: list[Any]) -> list[Any]:
+    """``ins``, each varying over every axis one of them varies over."""
+    union = frozenset().union(*map(_vma, ins))
+    if not union:
+        return ins
+    return [lax.pcast(x, tuple(sorted(union - _vma(x))), to="varying")
+            if union - _vma(x) and (_is_array(x) or isinstance(x, (bool, int, float, complex)))
+            else x for x in ins]
 
 
 def _typed(closed: Any) -> bool:

@@ -43,16 +43,19 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._multisteps import check_owner, place_accumulators
 from skipreduce_jax._parallel import (
+    PJIT_ONLY,
     as_tuple,
     build_step,
     check_batch,
     copy_to,
     data_spec,
+    markers,
     mesh_axes,
     place_batch,
     replicated_sharding,
 )
 from skipreduce_jax._per_rank import per_rank_leaves, per_rank_names
+from skipreduce_jax._replay import replay, trace
 from skipreduce_jax._transform import SkipReduceState
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
@@ -85,6 +88,12 @@ def local_value_and_grad(
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` that returns this rank's LOCAL gradients.
 
+    ``fun`` runs as written. If JAX refuses its layouts inside the per-rank
+    step (a ``with_sharding_constraint`` naming a data axis, flax's
+    partitioned ``DenseGeneral``), it is traced as plain jit code on this
+    rank's arguments and replayed, each constraint without the data axes
+    (Auto axes; see docs/design.md).
+
     Args:
       fun: the loss, as for ``jax.value_and_grad``.
       axis_name: the data axis (or axes) to keep gradients local over.
@@ -108,9 +117,31 @@ def local_value_and_grad(
         for i in positions:
             _refuse_nnx(args[i])
             args[i] = to_varying(args[i], axis_name)
-        return value_and_grad(*args, **kwargs)
+        try:
+            return value_and_grad(*args, **kwargs)
+        except ValueError as e:
+            if kwargs or not any(m in str(e) for m in PJIT_ONLY):
+                raise
+        # Layouts of pjit code (a constraint naming the data axes, flax's
+        # partitioned kernels): the loss traced as jit code, replayed here.
+        return jax.value_and_grad(_replayed(fun, args, as_tuple(axis_name)),
+                                  argnums=argnums, has_aux=has_aux)(*args)
 
     return wrapped
+
+
+def _replayed(fun: Callable[..., Any], args: Sequence[Any],
+              axes: tuple[str, ...]) -> Callable[..., Any]:
+    """``fun`` traced as plain jit code on this rank's ``args`` and replayed."""
+    mesh = jax.sharding.get_abstract_mesh()
+    traced = trace(fun, [jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype,
+                                       weak_type=jax.typeof(x).weak_type), a)
+        for a in args],
+        [any(set(axes) & varying_axes(x) for x in jax.tree_util.tree_leaves(a))
+         for a in args], mesh, axes)
+    replayed = replay(traced, markers(axes))
+    return lambda *a: replayed(*a, traced.consts)
 
 
 def _refuse_nnx(arg: Any) -> None:
