@@ -17,6 +17,7 @@ host's cores: this measures the local work around the collectives (the
 per-rank ``shard_map``, masks, packing), not a network.
 
     python benchmarks/value_and_grad_step.py --out out/value_and_grad_step.json
+    python benchmarks/value_and_grad_step.py --explicit --out out/value_and_grad_step_explicit.json
 """
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ def _loss(params, batch):
     return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
 
 
-def _steps(mesh, tx):
+def _explicit_loss(params, batch):
+    """``_loss`` as code for Explicit axes spells it (``out_sharding=``)."""
+    x, y = batch
+    h = jax.nn.gelu(jnp.einsum("bi,ih->bh", x, params["w1"], out_sharding=P("data"))
+                    + params["b1"])
+    out = jnp.einsum("bh,ho->bo", h, params["w2"], out_sharding=P("data"))
+    return jnp.mean((out + params["b2"] - y) ** 2)
+
+
+def _steps(mesh, tx, loss):
     def make(grad_fn):
         def step(params, opt_state, batch, count):
             loss, grads = grad_fn(count)(params, batch)
@@ -53,11 +63,11 @@ def _steps(mesh, tx):
         return jax.jit(step, donate_argnums=(0, 1))
 
     return {
-        "jax": make(lambda count: jax.value_and_grad(_loss)),
+        "jax": make(lambda count: jax.value_and_grad(loss)),
         "sr k=0": make(lambda count: sr.value_and_grad(
-            _loss, mesh, "data", step=count, num_skip=0, min_size=0)),
+            loss, mesh, "data", step=count, num_skip=0, min_size=0)),
         "sr random": make(lambda count: sr.value_and_grad(
-            _loss, mesh, "data", step=count, skip_ratio=0.5, min_size=0)),
+            loss, mesh, "data", step=count, skip_ratio=0.5, min_size=0)),
     }
 
 
@@ -69,10 +79,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--explicit", action="store_true",
+                        help="an Explicit data axis and a loss that sets layouts "
+                             "(out_sharding=), which value_and_grad traces as one "
+                             "rank's jit sees it")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+    axis_type = AxisType.Explicit if args.explicit else AxisType.Auto
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(axis_type,))
     rng = np.random.default_rng(0)
     shapes = {"w1": (args.d_in, args.hidden), "b1": (args.hidden,),
               "w2": (args.hidden, args.d_out), "b2": (args.d_out,)}
@@ -83,7 +98,7 @@ def main() -> None:
          rng.normal(size=(args.batch, args.d_out)).astype(np.float32)),
         NamedSharding(mesh, P("data")))
     tx = optax.sgd(1e-3, momentum=0.9)
-    steps = _steps(mesh, tx)
+    steps = _steps(mesh, tx, _explicit_loss if args.explicit else _loss)
     state = {}
     with jax.set_mesh(mesh):
         for name, step in steps.items():
@@ -106,6 +121,7 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) / args.calls)
                 state[name] = (params, opt_state)
     report = {"jax": jax.__version__, "devices": jax.device_count(),
+              "explicit": args.explicit,
               "params": int(sum(np.prod(s) for s in shapes.values())),
               "rounds": args.rounds, "calls": args.calls, "variants": {}}
     base = np.asarray(times["jax"])

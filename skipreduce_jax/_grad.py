@@ -533,7 +533,7 @@ def _type_spec(x: Any) -> P | None:
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
         return None
-    return P(*sharding.spec)
+    return P(*getattr(sharding.spec, "partitions", sharding.spec))
 
 
 def _rows_in_order(x: jax.Array, microbatches: int) -> jax.Array:
