@@ -145,7 +145,8 @@ def value_and_grad(
       mesh: the device mesh; None: the mesh of ``jax.set_mesh``.
       axis_name: the data axis; ``(outer, inner)`` for hierarchical
         SkipReduce (the batch is split over both; only ``outer`` skips).
-        None: the mesh's only axis.
+        None: the mesh's only axis, or the one axis the batch arguments'
+        types split their rows over (Explicit axes), read at the call.
       step: the training step (an int, or a traced int scalar such as
         ``state.step``). Required.
       has_aux: as for ``jax.value_and_grad``.
@@ -223,6 +224,26 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     state, not the user's aux (its rows are not per example).
     """
     mesh = _resolve_mesh(mesh)
+    if axis_name is None and len(mesh.axis_names) > 1:
+        # The data axis is the one the batch's rows are split over, as the
+        # batch's types say under Explicit axes: read at the first call.
+        built: dict[str, Callable[..., Any]] = {}
+
+        def make(axis):
+            if axis not in built:
+                built[axis] = build(
+                    fun, mesh, axis, step=step, has_aux=has_aux, argnums=argnums,
+                    batch_argnums=batch_argnums, param_specs=param_specs,
+                    microbatches=microbatches, skip_options=skip_options, config=config,
+                    describe=describe, state_path=state_path)
+            return built[axis]
+
+        params_at = positions(argnums, "argnums", api=_API)
+        given = None if batch_argnums is None else positions(
+            batch_argnums, "batch_argnums", api=_API)
+        return lambda *args: make(_axis_of_batch(
+            [a for i, a in enumerate(args) if i not in params_at and (
+                given is None or i in given)], mesh))(*args)
     axes = mesh_axes(mesh, _resolve_axis(axis_name, mesh), api=_API)
     if len(axes) > 2:
         raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
@@ -420,14 +441,23 @@ def _resolve_mesh(mesh: Any) -> Any:
 
 def _resolve_axis(axis_name: AxisNames | None, mesh: Any) -> AxisNames:
     """``axis_name``, or the mesh's only axis."""
-    if axis_name is not None:
-        return axis_name
-    if len(mesh.axis_names) == 1:
-        return mesh.axis_names[0]
+    return axis_name if axis_name is not None else mesh.axis_names[0]
+
+
+def _axis_of_batch(batch: Sequence[Any], mesh: Any) -> str:
+    """The one mesh axis the batch's rows are split over, by their types."""
+    split = {a for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)
+             for spec in [_type_spec(leaf)] if spec is not None and len(spec)
+             for a in _shards.spec_axes(P(spec[0]))}
+    if len(split) == 1:
+        return split.pop()
+    seen = (f"the batch's rows are split over {sorted(split)}" if split else
+            "no batch argument's type says which axis splits its rows (Auto axes "
+            "carry no layout)")
     raise ValueError(
-        f"{_API}: the mesh has axes {tuple(mesh.axis_names)}; pass axis_name=, "
-        "the data axis whose ring SkipReduce skips (e.g. the replica axis over "
-        "slow links).")
+        f"{_API}: the mesh has axes {tuple(mesh.axis_names)} and {seen}; pass "
+        "axis_name=, the data axis whose ring SkipReduce skips (e.g. the replica "
+        "axis over slow links).")
 
 
 def _warn_global_divisor(traced: Any, rows: set[int], ranks: int) -> None:
@@ -618,7 +648,10 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
     else:
         specs = [getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
                  for x in leaves]
-        others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+        # Explicit axes show the layout in the types (P() where replicated).
+        others = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                  if a not in axes and mesh.shape[a] > 1
+                  and t != jax.sharding.AxisType.Explicit]
         if others and leaves and not any(_shards.spec_axes(s) for s in specs):
             warnings.warn(
                 f"{_API}: the params' layout over {others} is unknown inside "

@@ -309,8 +309,36 @@ def test_no_mesh_is_a_clear_error():
                                          "jax.set_mesh"):
         sr.value_and_grad(lambda p: p, None, "data", step=0)
     mesh = jax.make_mesh((4, 2), ("replica", "fsdp"))
-    with pytest.raises(ValueError, match="pass axis_name="):
-        sr.value_and_grad(lambda p: p, mesh, step=0)
+    with pytest.raises(ValueError, match="no batch argument's type says which axis "
+                                         "splits its rows .*pass axis_name="):
+        sr.value_and_grad(lambda p, x: jnp.sum(p * x), mesh, step=0, num_skip=0)(
+            jnp.ones(4), jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize("spec, found", [(P("data"), "data"), (P("model"), "model"),
+                                         (P(("data", "model")), None)])
+def test_the_data_axis_is_read_from_the_batchs_type(spec, found):
+    """Explicit axes: the one axis the batch's rows are split over."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(4, 4)).astype(np.float32), rng.normal(size=(16, 4))
+    loss = lambda w, x: jnp.mean((x @ w - 1) ** 2)  # noqa: E731
+
+    def grad_fn(axis):
+        return jax.jit(lambda w, x: sr.value_and_grad(loss, axis_name=axis, step=3,
+                                                      num_skip=1, min_size=0)(w, x))
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x.astype(np.float32), spec)
+        if found is None:
+            with pytest.raises(ValueError, match=r"split over \['data', 'model'\]; "
+                                                 "pass axis_name="):
+                grad_fn(None)(w, x)
+            return
+        inferred, named = grad_fn(None)(w, x)[1], grad_fn(found)(w, x)[1]
+        other = grad_fn({"data": "model", "model": "data"}[found])(w, x)[1]
+    np.testing.assert_array_equal(inferred, named)
+    assert np.abs(np.asarray(inferred) - np.asarray(other)).max() > 1e-4
 
 
 @pytest.mark.parametrize("every_k", [0, -1, 2.0])
