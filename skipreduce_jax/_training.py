@@ -110,24 +110,35 @@ def local_value_and_grad(
         updates, opt_state = tx.update(grads, opt_state, params)
     """
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args, **kwargs):
         args = list(args)
         for i in positions:
             _refuse_nnx(args[i])
             args[i] = to_varying(args[i], axis_name)
-        try:
-            return value_and_grad(*args, **kwargs)
-        except ValueError as e:
-            if kwargs or not any(m in str(e) for m in PJIT_ONLY):
-                raise
-        # Layouts of pjit code (a constraint naming the data axes, flax's
-        # partitioned kernels): the loss traced as jit code, replayed here.
-        return jax.value_and_grad(_replayed(fun, args, as_tuple(axis_name)),
-                                  argnums=argnums, has_aux=has_aux)(*args)
+        return per_rank_value_and_grad(fun, args, kwargs, as_tuple(axis_name),
+                                       argnums=argnums, has_aux=has_aux)
 
     return wrapped
+
+
+def per_rank_value_and_grad(fun: Callable[..., Any], args: Sequence[Any],
+                            kwargs: dict[str, Any], axes: tuple[str, ...], *,
+                            argnums: int | Sequence[int], has_aux: bool) -> Any:
+    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed.
+
+    Where JAX refuses the loss's layouts inside the step (a constraint naming
+    a data axis, flax's partitioned kernels), it is traced as plain jit code
+    on this rank's arguments and replayed, its constraints without the data
+    axes.
+    """
+    try:
+        return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+    except ValueError as e:
+        if kwargs or not any(m in str(e) for m in PJIT_ONLY):
+            raise
+    return jax.value_and_grad(_replayed(fun, args, axes), argnums=argnums,
+                              has_aux=has_aux)(*args)
 
 
 def _replayed(fun: Callable[..., Any], args: Sequence[Any],

@@ -56,7 +56,7 @@ from skipreduce_jax._parallel import (
     positions,
     rank_key,
 )
-from skipreduce_jax._training import init_opt_state, to_varying
+from skipreduce_jax._training import init_opt_state, per_rank_value_and_grad, to_varying
 
 __all__ = ["data_parallel", "init_optimizer", "local_value_and_grad", "value_and_grad"]
 
@@ -87,7 +87,9 @@ def local_value_and_grad(
     model's: build them from ``skipreduce_jax.rank_key(key, axis_name)``.
 
     Call it inside the step on a model the step received as an argument: a
-    Module closed over from outside cannot be updated inside a trace.
+    Module closed over from outside cannot be updated inside a trace. A loss
+    constraining over the data axes runs as
+    :func:`skipreduce_jax.local_value_and_grad` runs it (replayed per rank).
 
     Args:
       loss_fn: ``loss_fn(model, *args)``, returning a scalar (``(loss, aux)``
@@ -110,8 +112,9 @@ def local_value_and_grad(
     def wrapped(model, *args):
         pure, params, others = _pure(loss_fn, model, wrt, axes, has_aux=has_aux,
                                      rank_rngs=rank_rngs)
-        (loss, (aux, rest)), grads = jax.value_and_grad(pure, has_aux=True)(
-            to_varying(params, axes), others, *args)
+        (loss, (aux, rest)), grads = per_rank_value_and_grad(
+            pure, (to_varying(params, axes), others, *args), {}, axes, argnums=0,
+            has_aux=True)
         nnx.update(model, rest)
         return ((loss, aux) if has_aux else loss), grads
 

@@ -299,3 +299,38 @@ def test_a_model_written_for_explicit_axes_runs_as_written():
         assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
     kernel = jax.tree.leaves(grads)[1]
     assert np.abs(np.asarray(jax.tree.leaves(skipped)[1]) - np.asarray(kernel)).max() > 1e-4
+
+
+def test_a_constraint_naming_the_data_axis_in_an_nnx_loss_is_replayed():
+    """Before: refused inside the per-rank step (the data axis is Manual there)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    x, _ = _batch()
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear1 = nnx.Linear(8, 16, rngs=rngs)
+            self.linear2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def loss(model, x, constrained):
+        h = model.linear1(x)
+        if constrained:  # as a pjit step writes it, with the global mesh
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None)))
+        return jnp.mean((model.linear2(nnx.relu(h)) - 1.0) ** 2)
+
+    def train(constrained):
+        model = Net(nnx.Rngs(0))
+        tx = optax.chain(sr.skip_reduce("data", num_skip=0, min_size=0), optax.adam(1e-2))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        def step(model, optimizer, x):
+            grad_fn = srnnx.local_value_and_grad(lambda m, x: loss(m, x, constrained), "data")
+            value, grads = grad_fn(model, x)
+            optimizer.update(model, grads)
+            return lax.pmean(value, "data")
+
+        run = srnnx.data_parallel(step, mesh, batch_argnums=2)
+        return [float(run(model, optimizer, x)) for _ in range(3)]
+
+    losses = train(True)
+    np.testing.assert_allclose(losses, train(False), rtol=1e-6)
+    assert losses[-1] < losses[0]
