@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,13 +44,15 @@ from skipreduce_jax._vma import varying_axes
 _API = "value_and_grad"
 _CLOSED_OVER = (
     _API + ": fun closes over {what}. fun runs on each rank's rows of the batch; "
-    "{why}, every rank would compute the whole batch and hold the same gradient. "
+    "{why}: every rank would compute the whole batch and hold the same gradient. "
     "Pass the batch as an argument instead: def loss_fn(params, batch): ... with "
     "grad_fn(params, batch).")
 _OUT_OF_REACH = (
-    "a batch held in a closure cell, a default or a functools.partial is passed to "
-    "each rank as its rows, but this one is out of reach (a global, or an attribute "
-    "of an object the loss holds): it would reach every rank whole, and")
+    "a closed-over batch is passed to each rank as its rows where the loss holds "
+    "it in a closure cell, a default or a functools.partial and either no batch "
+    "argument is passed or its layout splits its rows over the data axis; this "
+    "one is not (out of reach, or not shown to be the batch), so it would reach "
+    "every rank whole")
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
 _STATEFUL = {
@@ -241,9 +244,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         params_at = positions(argnums, "argnums", api=_API)
         given = None if batch_argnums is None else positions(
             batch_argnums, "batch_argnums", api=_API)
-        return lambda *args: make(_axis_of_batch(
+        return lambda *args, **kwargs: make(_axis_of_batch(
             [a for i, a in enumerate(args) if i not in params_at and (
-                given is None or i in given)], mesh))(*args)
+                given is None or i in given)], mesh))(*args, **kwargs)
     axes = mesh_axes(mesh, _resolve_axis(axis_name, mesh), api=_API)
     if len(axes) > 2:
         raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
@@ -314,7 +317,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             # Code that sets layouts over Explicit axes traces as the caller's
             # jit sees it (for what it closes over), then as one rank's.
             traced, consts = None, closed_over(loss, args)
-        closed = _closed_over_batch(consts, rows, axes)
+        closed = _closed_over_batch(consts, rows, axes, ranks,
+                                    traced.jaxpr if traced else None)
         # Under Explicit axes every array it closes over carries the caller's mesh.
         others = [] if traced else [
             c for c in consts if _type_spec(c) is not None and all(c is not b for b in closed)]
@@ -482,27 +486,66 @@ class GlobalDivisorWarning(UserWarning):
     """A loss divided by the global batch's size where it runs per rank."""
 
 
-def _closed_over_batch(consts: Sequence[Any], rows: set[int],
-                       axes: tuple[str, ...]) -> list[Any]:
+def _closed_over_batch(consts: Sequence[Any], rows: set[int], axes: tuple[str, ...],
+                       ranks: int, jaxpr: Any = None) -> list[Any]:
     """The arrays ``fun`` closes over that are its batch.
 
-    Candidates: traced arrays, and arrays whose rows are split over the data
-    axes (a global batch closed over as a constant). Of those, the ones with
-    the batch arguments' leading dimension (``rows``); with no batch
-    argument, all of them, if they share one leading dimension. Arrays of
-    several leading dimensions and no batch argument to tell them apart are
-    refused.
+    With batch arguments (``rows``, their leading dimensions): those whose
+    layout shows their rows split over the data axes (a placed array, an
+    Explicit type); another with the batch's leading dimension is refused
+    later, not split on a guess. With none: every closed-over traced (or
+    placed) array whose leading dimension divides by the ranks, if they
+    share one leading dimension and none is indexed into (a table, not
+    rows); else refused.
     """
     closed = [c for c in consts if np.ndim(c) and (
         isinstance(c, jax.core.Tracer) or _rows_split(c, axes))]
     if rows:
-        return [c for c in closed if c.shape[0] in rows]
+        return [c for c in closed if c.shape[0] in rows and _shown_split(c, axes)]
+    closed = [c for c in closed if c.shape[0] % ranks == 0]
+    indexed = _indexed(jaxpr, consts) if jaxpr is not None else set()
+    tables = [c for c in closed if id(c) in indexed]
+    if tables:
+        raise ValueError(_CLOSED_OVER.format(
+            what="arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
+            why=f"the one of shape {tuple(tables[0].shape)} is indexed into (a table, "
+                "not rows of the batch), so which of them are the batch is not "
+                "guessed: taken whole"))
     if len({c.shape[0] for c in closed}) > 1:
         raise ValueError(_CLOSED_OVER.format(
-            what="traced arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
+            what="arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
             why="with no batch argument whose leading dimension tells which of them "
                 "are the batch, none is split: taken whole"))
     return closed
+
+
+def _shown_split(x: Any, axes: tuple[str, ...]) -> bool:
+    """Does ``x``'s layout (placed, or an Explicit type) split its rows over ``axes``?"""
+    spec = _type_spec(x)
+    return _rows_split(x, axes) or bool(
+        spec is not None and len(spec) and set(_shards.spec_axes(P(spec[0]))) & set(axes))
+
+
+def _indexed(jaxpr: Any, consts: Sequence[Any]) -> set[int]:
+    """The ids of ``consts`` a gather or dynamic slice of ``jaxpr`` indexes into."""
+    of = {v: id(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
+    found = set()
+
+    def visit(jaxpr, names):
+        for eqn in jaxpr.eqns:
+            ins = [None if isinstance(v, Literal) else v for v in eqn.invars]
+            if eqn.primitive.name in ("gather", "dynamic_slice") and ins[0] in names:
+                found.add(names[eqn.invars[0]])
+            for sub in jax.tree_util.tree_leaves(
+                    list(eqn.params.values()),
+                    is_leaf=lambda x: hasattr(x, "jaxpr") or hasattr(x, "eqns")):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
+                    visit(inner, {w: names[v] for v, w in zip(ins, inner.invars)
+                                  if v is not None and v in names})
+
+    visit(jaxpr, of)
+    return found
 
 
 def _rows_split(x: Any, axes: tuple[str, ...]) -> bool:

@@ -470,8 +470,8 @@ def _custom_jvp(params: dict[str, Any], ins: list[Any], in_flags: list[bool],
 
     @f.defjvp
     def f_jvp(primals, tangents):
-        traced_on = next(a.sharding.mesh for a in call.in_avals
-                         if not a.sharding.mesh.empty)
+        traced_on = next((a.sharding.mesh for a in call.in_avals
+                          if not a.sharding.mesh.empty), AbstractMesh((), ()))
         with jax.sharding.use_abstract_mesh(traced_on):  # the rule's trace
             jaxpr, jvp_consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
                 *[False] * len(primals))

@@ -155,7 +155,7 @@ def test_a_closed_over_batch_out_of_reach_is_refused():
             return sr.value_and_grad(lambda p: _loss(p, holder.x)[0], mesh, "data",
                                      step=0, num_skip=4, min_size=0)(p)
 
-        with pytest.raises(ValueError, match="out of reach .*Pass the batch as an "
+        with pytest.raises(ValueError, match="out of reach.*Pass the batch as an "
                                              "argument"):
             step(params, jax.device_put(x, P("data")))
 
@@ -572,3 +572,52 @@ def test_a_loss_divided_by_the_global_batch_size_warns_with_the_fix():
         mesh, "data", step=0, num_skip=0))(params, x)
     ref = jax.value_and_grad(loss)(params, x)
     np.testing.assert_allclose(fixed[0], ref[0], rtol=1e-5)
+
+
+def test_a_closed_over_table_of_the_batchs_length_is_not_split():
+    """Class weights as long as the batch: refused, never split on a guess."""
+    params, x = _data(16)
+    labels = np.arange(16) % 4
+    weights = np.linspace(0.5, 1.5, 16).astype(np.float32)  # per class, not per row
+    mesh = _auto_mesh()
+
+    def loss(p, x, y, table):
+        return jnp.mean(table[y] * jnp.sum((x @ p["w"]) ** 2, axis=-1))
+
+    with jax.set_mesh(mesh):
+        @jax.jit
+        def with_batch_arguments(p, x, y, table):
+            return sr.value_and_grad(lambda p, x, y: loss(p, x, y, table), mesh, "data",
+                                     step=0, num_skip=0, min_size=0)(p, x, y)
+
+        @jax.jit
+        def closing_over_all(p, x, y, table):
+            return sr.value_and_grad(lambda p: loss(p, x, y, table), mesh, "data",
+                                     step=0, num_skip=0, min_size=0)(p)
+
+        with pytest.raises(ValueError, match=r"shape \(16,\) with the batch's leading"):
+            with_batch_arguments(params, x, labels, weights)
+        with pytest.raises(ValueError, match=r"indexed into \(a table"):
+            closing_over_all(params, x, labels, weights)
+
+
+def test_a_closed_over_raw_dropout_key_stays_whole():
+    """flax's lm1b step: the batch and a uint32[2] dropout key closed over."""
+    params, x = _data()
+    mesh = _auto_mesh()
+
+    def step(p, x, key, k):
+        def loss(p):
+            keep = jax.random.bernoulli(key, 0.9, x.shape)
+            return jnp.mean((jnp.where(keep, x, 0.0) @ p["w"] - 1.0) ** 2)
+        return sr.value_and_grad(loss, mesh, "data", step=0, num_skip=k, min_size=0)(p)
+
+    key = jax.random.key_data(jax.random.fold_in(jax.random.key(0), 3))
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(step, static_argnums=3)(params, x, key, 0)
+    keep = jax.random.bernoulli(key, 0.9, x.shape)
+    ref, ref_grads = jax.value_and_grad(
+        lambda p: jnp.mean((jnp.where(keep, x, 0.0) @ p["w"] - 1.0) ** 2))(params)
+    # The mask is drawn per rank on its rows' shape: the loss differs from the
+    # global draw, but it is the loss of each rank's rows, not a refusal.
+    assert np.isfinite(float(value)) and grads["w"].shape == ref_grads["w"].shape
