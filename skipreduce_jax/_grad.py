@@ -117,12 +117,14 @@ def value_and_grad(
       divided by the global batch's rows (``jnp.sum(err) / 64.0``) warns
       (:class:`GlobalDivisorWarning`): write ``/ mean_count(64.0)``.
     - A loss may close over the batch (``get_loss_fn(batch)``, a
-      ``def loss_fn(params)`` in the step, ``functools.partial``): a
-      closed-over traced array with a batch argument's leading dimension (with
-      no batch argument: every closed-over traced array, if they share one
-      leading dimension) is split like the batch, through a copy of ``fun``
-      over each rank's rows (``fun`` itself is untouched). One out of reach
-      (a global, an object's attribute) is refused, naming the fix.
+      ``def loss_fn(params)`` in the step, ``functools.partial``): with no
+      batch argument, the closed-over arrays whose leading dimension divides
+      by the ranks, if they share one and none is indexed into; beside batch
+      arguments, those whose layout splits their rows over the data axis.
+      They are split like the batch, through a copy of ``fun`` over each
+      rank's rows (``fun`` itself is untouched). Any other with the batch's
+      leading dimension, a table indexed into, or a batch out of reach (a
+      global, an object's attribute) is refused, naming the fix.
     - Called outside ``jax.jit`` it is jitted once and the program reused.
 
     On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
