@@ -395,25 +395,20 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
     if name == "custom_jvp_call" and (_typed(params["call_jaxpr"]) or _varies(ins)) and not any(
             _holds_marker(j) for j in _jaxprs(params)):
         return _custom_jvp(params, ins, in_flags, markers)
-    if name == "custom_vjp_call" and _varies(ins):
+    if name == "custom_vjp_call" and (_varies(ins) or _typed(params["call_jaxpr"])):
         info = params["call_jaxpr"].jaxpr.debug_info
+        where = ("runs in a per-rank step (make_train_step, data_parallel), traced as "
+                 "plain jit code for its layouts," if _varies(ins) else
+                 "sets layouts over Explicit mesh axes (jax.sharding.reshard, "
+                 "out_sharding=)")
         raise ValueError(
-            "the loss runs in a per-rank step (make_train_step, data_parallel), "
-            "traced as plain jit code for its layouts, and calls a jax.custom_vjp "
-            f"function ({getattr(info, 'func_src_info', None) or 'its name unknown'}), "
-            "whose backward rule JAX types for the trace, not for a rank. Take the "
-            "gradients with skipreduce_jax.value_and_grad in a plain jax.jit step, "
-            "or set no layouts naming the data axes in the loss.")
-    if name == "custom_vjp_call" and _typed(params["call_jaxpr"]):
-        info = params["call_jaxpr"].jaxpr.debug_info
-        raise ValueError(
-            "value_and_grad: the loss sets layouts over Explicit mesh axes "
-            "(jax.sharding.reshard, out_sharding=) and calls a jax.custom_vjp "
-            f"function ({getattr(info, 'func_src_info', None) or 'its name unknown'}), "
-            "whose backward rule JAX checks against the layouts of the trace; on "
-            "each rank, where the data axes are Manual, it cannot run. Run the step "
-            "on a mesh of Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,) "
-            "* n)), where layouts are constraints, or set no layouts in the loss.")
+            f"{'' if _varies(ins) else 'value_and_grad: '}The loss {where} and calls "
+            "a jax.custom_vjp function "
+            f"({getattr(info, 'func_src_info', None) or 'its name unknown'}), whose "
+            "backward rule JAX types for the trace, not for a rank, so it cannot run "
+            "per rank there. Take the gradients with skipreduce_jax.value_and_grad "
+            "in a plain jax.jit step on a mesh of Auto axes, where layouts are "
+            "constraints, or set no layouts naming the data axes in the loss.")
     if any(_holds_marker(j) for j in _jaxprs(params)):
         raise ValueError(
             f"value_and_grad: skipreduce_jax.mean_count or rank_key is called inside "
