@@ -38,7 +38,12 @@ from skipreduce_jax._parallel import (
     positions,
 )
 from skipreduce_jax._replay import closed_over, divisor, replay, trace
-from skipreduce_jax._transform import SkipConfig, skip_config, skip_reduce
+from skipreduce_jax._transform import (
+    NothingSkippedWarning,
+    SkipConfig,
+    skip_config,
+    skip_reduce,
+)
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
@@ -334,6 +339,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         if closed or others or not traced:
             traced = _trace(loss, args, batch, typed=not traced)
         _refuse_closed_over_batch(traced.consts, rows)
+        if not rows:
+            _warn_nothing_split(traced.consts, ranks, axes)
         _warn_global_divisor(traced, rows, ranks)
         return run(traced, step, args, batch, params, specs)
 
@@ -482,6 +489,21 @@ def _warn_global_divisor(traced: Any, rows: set[int], ranks: int) -> None:
         f"ranks: its value and gradients would be 1/{ranks} of jax.value_and_grad's. "
         f"Divide by skipreduce_jax.mean_count({d:g}) (exact), or use jnp.mean.",
         GlobalDivisorWarning, stacklevel=4)
+
+
+def _warn_nothing_split(consts: Sequence[Any], ranks: int, axes: tuple[str, ...]) -> None:
+    """Warns of a loss with nothing to split: no batch argument, no batch closed over."""
+    host = [tuple(c.shape) for c in consts
+            if isinstance(c, np.ndarray) and c.ndim and c.shape[0] % ranks == 0]
+    hint = (f" It closes over host arrays of shapes {host}: if one is the batch, "
+            f"pass it as an argument, or place it with its rows split over {axes} "
+            "(jax.device_put(x, NamedSharding(mesh, P(axis))))." if host else "")
+    warnings.warn(
+        f"{_API}: nothing is split over {axes}: fun takes no batch argument and "
+        "closes over no traced or placed batch, so every rank computes the same "
+        "loss on the same data and holds the same gradient; skipping changes "
+        f"nothing and the work is done {ranks} times.{hint}",
+        NothingSkippedWarning, stacklevel=4)
 
 
 class GlobalDivisorWarning(UserWarning):

@@ -175,6 +175,24 @@ def test_closed_over_arrays_of_several_leading_dimensions_are_refused():
             step(params, x, jnp.ones(16))
 
 
+def test_a_loss_with_nothing_to_split_warns_naming_the_host_array():
+    """A host (numpy) batch closed over reaches every rank whole: not silent."""
+    params, x = _data()
+    mesh = _auto_mesh()
+
+    @jax.jit
+    def step(p):
+        return sr.value_and_grad(lambda p: _loss(p, x)[0], mesh, "data", step=0,
+                                 num_skip=4, min_size=0)(p)
+
+    with pytest.warns(sr.NothingSkippedWarning, match=r"nothing is split.*host arrays "
+                                                       r"of shapes \[\(64, 16\)\]"):
+        value, grads = step(params)
+    ref, ref_grads = jax.value_and_grad(lambda p: _loss(p, x)[0])(params)
+    np.testing.assert_allclose(value, ref, rtol=1e-6)  # right, but not data-parallel
+    np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-6)
+
+
 def test_the_users_function_is_left_as_it_is():
     params, x = _data()
     mesh = _auto_mesh()
