@@ -319,11 +319,18 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             traced = _trace(loss, args, batch)
             consts = traced.consts
         except Exception:
-            if not any_explicit:
+            try:
+                consts = closed_over(loss, args)
+            except Exception:
+                consts = None
+            if rows and consts:  # did the global batch, closed over, meet a rank's rows?
+                _refuse_closed_over_batch([c for c in consts if not _shown_split(c, axes)],
+                                          rows)
+            if not any_explicit or consts is None:
                 raise
             # Code that sets layouts over Explicit axes traces as the caller's
             # jit sees it (for what it closes over), then as one rank's.
-            traced, consts = None, closed_over(loss, args)
+            traced = None
         closed = _closed_over_batch(consts, rows, axes, ranks,
                                     traced.jaxpr if traced else None)
         # Under Explicit axes every array it closes over carries the caller's mesh.
@@ -336,8 +343,15 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             args, batch = (*args, closed, others), (*batch, len(args))
             rows |= {c.shape[0] for c in closed}
             loss = _closing_over(loss, closed + others)
-        if closed or others or not traced:
-            traced = _trace(loss, args, batch, typed=not traced)
+        if traced and (closed or others):
+            traced = _trace(loss, args, batch)
+        elif not traced:
+            try:
+                traced = _trace(loss, args, batch, typed=True)
+            except Exception:
+                # An array it still closes over carries the caller's mesh.
+                _refuse_closed_over_batch(closed_over(loss, args), set())
+                raise
         _refuse_closed_over_batch(traced.consts, rows)
         if not rows:
             _warn_nothing_split(traced.consts, ranks, axes)

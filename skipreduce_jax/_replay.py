@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
+from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -318,12 +318,15 @@ def _is_array(x: Any) -> bool:
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-          varying: Sequence[bool], markers: dict[str, Callable[[Any, bool], Any]]) -> list[Any]:
+          varying: Sequence[bool], markers: dict[str, Callable[[Any, bool], Any]],
+          env: dict[Any, Any] | None = None) -> list[Any]:
     """``jax.core.eval_jaxpr``, with constraints respelled and markers counted.
 
     ``varying``: per input, whether it depends on the batch (for markers).
+    ``env``: the values of the enclosing jaxprs' variables, shared with
+    this one's (each variable is its own object).
     """
-    env: dict[Any, Any] = {}
+    env = {} if env is None else env
     flags: dict[Any, bool] = {}
 
     def read(v):
@@ -336,7 +339,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for eqn in jaxpr.eqns:
         in_flags = _read_flags(eqn, flags)
         # Not under eqn.ctx: it holds the mesh of the trace, not the body's.
-        outs = _apply(eqn, [read(v) for v in eqn.invars], in_flags, markers)
+        outs = _apply(eqn, [read(v) for v in eqn.invars], in_flags, markers, env)
         if not eqn.primitive.multiple_results:
             outs = [outs]
         for v, x, f in zip(eqn.outvars, outs, _eqn_flags(eqn, in_flags), strict=True):
@@ -345,12 +348,12 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
-           markers: dict[str, Callable[[Any, bool], Any]]) -> Any:
+           markers: dict[str, Callable[[Any, bool], Any]], env: dict[Any, Any]) -> Any:
     """One equation, in the body."""
     name, params = eqn.primitive.name, eqn.params
 
     def sub(closed, flags):
-        return lambda *a: _eval(closed.jaxpr, closed.consts, a, flags, markers)
+        return lambda *a: _eval(closed.jaxpr, closed.consts, a, flags, markers, env)
 
     if name == "sharding_constraint":
         return constrain(ins[0], params["sharding"])
@@ -387,14 +390,14 @@ def _apply(eqn: Any, ins: list[Any], in_flags: list[bool],
     if name == "remat2":
         inner = params["jaxpr"]
         return jax.checkpoint(
-            lambda *a: _eval(inner, (), a, in_flags, markers),
+            lambda *a: _eval(inner, (), a, in_flags, markers, env),
             prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
     # In a body that types values as varying per rank, operands are made
     # alike first, as jax.numpy's functions do (jaxprs carry no such types).
     ins = _alike(ins)
     if name == "custom_jvp_call" and (_typed(params["call_jaxpr"]) or _varies(ins)) and not any(
             _holds_marker(j) for j in _jaxprs(params)):
-        return _custom_jvp(params, ins, in_flags, markers)
+        return _custom_jvp(params, ins, in_flags, markers, env)
     if name == "custom_vjp_call" and (_varies(ins) or _typed(params["call_jaxpr"])):
         info = params["call_jaxpr"].jaxpr.debug_info
         where = ("runs in a per-rank step (make_train_step, data_parallel), traced as "
@@ -450,18 +453,20 @@ def _typed(closed: Any) -> bool:
 
 
 def _custom_jvp(params: dict[str, Any], ins: list[Any], in_flags: list[bool],
-                markers: dict[str, Callable[[Any, bool], Any]]) -> list[Any]:
+                markers: dict[str, Callable[[Any, bool], Any]],
+                env: dict[Any, Any]) -> list[Any]:
     """A ``jax.custom_jvp`` traced under Explicit axes, in the body.
 
     Its function and its JVP rule's jaxpr (from the rule the user wrote)
-    are replayed like the loss; the rule stays the rule.
+    are replayed like the loss; the rule stays the rule. A value of the
+    loss the rule closes over (a tracer of the trace) is its value here.
     """
     call, consts = params["call_jaxpr"], params["num_consts"]
     flags = in_flags[consts:]
 
     @jax.custom_jvp
     def f(*xs):
-        return _eval(call.jaxpr, call.consts, [*ins[:consts], *xs], in_flags, markers)
+        return _eval(call.jaxpr, call.consts, [*ins[:consts], *xs], in_flags, markers, env)
 
     @f.defjvp
     def f_jvp(primals, tangents):
@@ -470,7 +475,9 @@ def _custom_jvp(params: dict[str, Any], ins: list[Any], in_flags: list[bool],
         with jax.sharding.use_abstract_mesh(traced_on):  # the rule's trace
             jaxpr, jvp_consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
                 *[False] * len(primals))
-        out = _eval(jaxpr, jvp_consts, [*primals, *tangents], flags + flags, markers)
+        jvp_consts = [env.get(c.val, c) if isinstance(getattr(c, "val", None), Var)
+                      else c for c in jvp_consts]
+        out = _eval(jaxpr, jvp_consts, [*primals, *tangents], flags + flags, markers, env)
         out_primals, nonzero = out[:len(out_zeros)], iter(out[len(out_zeros):])
         return out_primals, [jax.numpy.zeros_like(p) if z else next(nonzero)
                              for p, z in zip(out_primals, out_zeros, strict=True)]

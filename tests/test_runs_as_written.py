@@ -160,6 +160,48 @@ def test_a_closed_over_batch_out_of_reach_is_refused():
             step(params, jax.device_put(x, P("data")))
 
 
+@AXIS_TYPES
+def test_beside_a_batch_argument_a_closed_over_global_array_is_refused(axis_type):
+    """Weights of the global batch's rows meet one rank's rows: named, not a shape error."""
+    params, x = _data()
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        @jax.jit
+        def step(p, x, wt):
+            loss = lambda p, x: jnp.mean(jnp.sum((x @ p["w"]) ** 2, -1) * wt)  # noqa: E731
+            return sr.value_and_grad(loss, mesh, "data", step=0, num_skip=0,
+                                     min_size=0)(p, x)
+
+        with pytest.raises(ValueError, match=r"shape \(64,\) with the batch's leading "
+                                             "dimension.*Pass the batch as an argument"):
+            step(params, jax.device_put(x, P("data")), jnp.ones(64))
+
+
+def test_out_of_reach_beside_layout_code_on_explicit_axes_is_refused_by_name():
+    params, x = _data()
+    mesh = _mesh(AxisType.Explicit)
+
+    class Holder:
+        pass
+
+    with jax.set_mesh(mesh):
+        @jax.jit
+        def step(p, x):
+            holder = Holder()
+            holder.x = x
+
+            def loss(p):
+                y = jax.sharding.reshard(holder.x @ p["w"], P("data"))
+                return jnp.mean(y ** 2)
+
+            return sr.value_and_grad(loss, mesh, "data", step=0, num_skip=0,
+                                     min_size=0)(p)
+
+        with pytest.raises(ValueError, match="out of reach.*Pass the batch as an "
+                                             "argument"):
+            step(params, jax.device_put(x, P("data")))
+
+
 def test_closed_over_arrays_of_several_leading_dimensions_are_refused():
     """With no batch argument, which of them is the batch is not guessed."""
     params, x = _data()
