@@ -322,6 +322,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             try:
                 consts = closed_over(loss, args)
             except Exception:
+                if any_explicit:
+                    raise  # as plain jit refuses it
                 consts = None
             if rows and consts:  # did the global batch, closed over, meet a rank's rows?
                 _refuse_closed_over_batch([c for c in consts if not _shown_split(c, axes)],
