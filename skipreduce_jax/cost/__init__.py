@@ -61,28 +61,11 @@ if TYPE_CHECKING:
     from .__main__ import parse_size as parse_size
 
 __all__ = [
-    "LinkModel",
-    "Measurement",
-    "fit_link_model",
-    "hierarchical_bytes",
-    "load_link_model",
-    "load_measurements",
-    "parse_binary_count",
-    "parse_count",
-    "parse_seconds",
-    "parse_size",
-    "predict_hierarchical",
-    "predict_measurement",
-    "predict_skipreduce",
-    "required_num_skip",
-    "required_num_skip_hierarchical",
-    "required_skip_ratio",
-    "save_link_model",
-    "save_measurements",
-    "skip_ratio_to_num_skip",
-    "skipreduce_bytes",
-    "skipreduce_steps",
-    "traffic_fraction",
+    "LinkModel", "Measurement", "fit_link_model", "hierarchical_bytes", "load_link_model",
+    "load_measurements", "parse_binary_count", "parse_count", "parse_seconds", "parse_size",
+    "predict_hierarchical", "predict_measurement", "predict_skipreduce", "required_num_skip",
+    "required_num_skip_hierarchical", "required_skip_ratio", "save_link_model", "save_measurements",
+    "skip_ratio_to_num_skip", "skipreduce_bytes", "skipreduce_steps", "traffic_fraction",
     "validate",
 ]
 
@@ -107,11 +90,7 @@ def __dir__() -> list[str]:
 
 
 def _examples() -> dict[str, str]:
-    """Every docstring example of the submodules, by name.
-
-    ``doctest.testmod(skipreduce_jax.cost)`` looks only at what this file
-    defines; through ``__test__`` it runs the submodules' examples too.
-    """
+    """The submodules' docstring examples by name; ``doctest.testmod`` runs them as ``__test__``."""
     import doctest
 
     from . import __main__, _fit, _model

@@ -1,32 +1,24 @@
 """Calibrating a :class:`LinkModel` on benchmark measurements, and checking it.
 
-Record each benchmark point as a :class:`Measurement` ``(n, num_skip, nbytes,
-seconds, kind)``: ``nbytes`` is the full gradient buffer size per rank (not the
-bytes on the wire), ``seconds`` the wall time of one call (e.g. the median over
-repeats) and ``kind`` one of ``'skip'`` (SkipReduce with ``num_skip`` skipped
-steps), ``'ring'`` (the ppermute ring all-reduce) or ``'psum'`` (the backend's
-native all-reduce); the last two must have ``num_skip = 0`` and are modelled as a
-ring. Write them to a JSON file, either a list of objects or an object with a
-``"measurements"`` list, e.g.::
+Record each benchmark point as a :class:`Measurement` (``nbytes`` is the full
+gradient buffer per rank, not the bytes on the wire; ``seconds`` the wall time
+of one call, e.g. the median over repeats) and write them to a JSON file, either
+a list of objects or an object with a ``"measurements"`` list, e.g.::
 
     {"measurements": [
         {"n": 8, "num_skip": 0, "nbytes": 4000000, "seconds": 0.0041, "kind": "ring"},
         {"n": 8, "num_skip": 4, "nbytes": 4000000, "seconds": 0.0029, "kind": "skip"}
     ]}
 
-Other keys in each object are ignored; ``num_skip`` may be omitted for
-``'ring'`` and ``'psum'``. :func:`fit_link_model` solves a non-negative least
-squares problem for ``(call_overhead, alpha, 1 / bandwidth)``; :func:`validate`
-compares a model with another set of points. To separate ``alpha`` from
-``bandwidth`` vary the message size; to separate ``alpha`` from
-``call_overhead`` vary ``num_skip`` or ``n``. Fit different kinds separately
-when they use different code paths (``--kind`` in the CLI).
+:meth:`Measurement.from_dict` reads each object; :func:`fit_link_model` fits
+the constants to them and :func:`validate` compares a model with another set of
+points. Fit different kinds separately when they use different code paths
+(``--kind`` in the CLI).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -36,13 +28,11 @@ import numpy as np
 from skipreduce_jax._checks import check_choice, check_int, check_num_skip, check_real
 from skipreduce_jax._traffic import skipreduce_bytes, skipreduce_steps
 
-from ._model import LinkModel, read_json
+from ._model import LinkModel, _check_link, read_json, write_json
 
-_KIND_MEANINGS: dict[str, str] = {
-    "skip": "SkipReduce with num_skip skipped steps",
-    "ring": "the ppermute ring all-reduce",
-    "psum": "the backend's native all-reduce",
-}
+_KIND_MEANINGS: dict[str, str] = {"skip": "SkipReduce with num_skip skipped steps",
+                                   "ring": "the ppermute ring all-reduce",
+                                   "psum": "the backend's native all-reduce"}
 
 KINDS: tuple[str, ...] = tuple(_KIND_MEANINGS)
 """Measurement kinds understood by :class:`Measurement`."""
@@ -78,8 +68,7 @@ class Measurement:
         api = "Measurement"
         n = check_int(self.n, "n", api=api, minimum=2)
         object.__setattr__(self, "n", n)
-        object.__setattr__(self, "num_skip",
-                           check_num_skip(self.num_skip, n, api=api, n_name="n"))
+        object.__setattr__(self, "num_skip", check_num_skip(self.num_skip, n, api=api, n_name="n"))
         nbytes = check_real(self.nbytes, "nbytes", api=api)
         if not nbytes.is_integer():
             raise ValueError(
@@ -90,8 +79,7 @@ class Measurement:
         check_choice(self.kind, "kind", _KIND_MEANINGS, api=api)
         if self.kind != "skip" and self.num_skip != 0:
             raise ValueError(
-                f"{api}: num_skip must be 0 for kind {self.kind!r}, got {self.num_skip}"
-            )
+                f"{api}: num_skip must be 0 for kind {self.kind!r}, got {self.num_skip}")
 
     @property
     def steps(self) -> int:
@@ -105,9 +93,6 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the record as a JSON-serialisable dict.
-
-        Returns:
-            ``{"n", "num_skip", "nbytes", "seconds", "kind"}``.
 
         Example:
             >>> Measurement(4, 1, 1000, 0.5).to_dict()
@@ -124,9 +109,6 @@ class Measurement:
                 ``kind`` (default ``'skip'``) and ``num_skip`` (required for kind
                 ``'skip'``, default 0 otherwise). Other keys are ignored.
 
-        Returns:
-            The measurement.
-
         Example:
             >>> Measurement.from_dict({"n": 4, "nbytes": 8, "seconds": 1, "kind": "psum"})
             Measurement(n=4, num_skip=0, nbytes=8, seconds=1.0, kind='psum')
@@ -138,13 +120,8 @@ class Measurement:
         missing = [key for key in required if key not in data]
         if missing:
             raise ValueError(f"measurement {dict(data)!r} is missing key(s) {missing}")
-        return cls(
-            n=data["n"],
-            num_skip=data.get("num_skip", 0),
-            nbytes=data["nbytes"],
-            seconds=data["seconds"],
-            kind=kind,
-        )
+        return cls(n=data["n"], num_skip=data.get("num_skip", 0), nbytes=data["nbytes"],
+                   seconds=data["seconds"], kind=kind)
 
 
 class Validation(NamedTuple):
@@ -181,36 +158,27 @@ def load_measurements(json_path: str | os.PathLike[str]) -> list[Measurement]:
                      "with a 'measurements' list")
     if isinstance(data, Mapping):
         if "measurements" not in data:
-            raise ValueError(
-                f"{os.fspath(json_path)}: expected a list or an object with a "
-                "'measurements' key"
-            )
+            raise ValueError(f"{os.fspath(json_path)}: expected a list or an object with a "
+                             "'measurements' key")
         data = data["measurements"]
     if not isinstance(data, list):
         raise ValueError(f"{os.fspath(json_path)}: measurements must be a JSON list")
     return [Measurement.from_dict(item) for item in data]
 
 
-def save_measurements(
-    json_path: str | os.PathLike[str], measurements: Iterable[Measurement]
-) -> None:
+def save_measurements(json_path: str | os.PathLike[str],
+                      measurements: Iterable[Measurement]) -> None:
     """Writes measurements to a JSON file that :func:`load_measurements` reads.
 
     Args:
         json_path: Destination file.
         measurements: Records to write.
 
-    Returns:
-        None.
-
     Example:
         >>> ms = [Measurement(8, 0, 4000000, 0.0041, "ring")]
         >>> save_measurements("bench.json", ms)  # doctest: +SKIP
     """
-    payload = {"measurements": [m.to_dict() for m in measurements]}
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
+    write_json(json_path, {"measurements": [m.to_dict() for m in measurements]})
 
 
 def predict_measurement(model: LinkModel, measurement: Measurement) -> float:
@@ -236,13 +204,9 @@ def predict_measurement(model: LinkModel, measurement: Measurement) -> float:
 _SUPPORTS: tuple[tuple[int, ...], ...] = ((2,), (0, 2), (1, 2), (0, 1, 2))
 
 
-def fit_link_model(
-    measurements: Sequence[Measurement],
-    *,
-    weighting: Literal["relative", "absolute"] = "relative",
-    fit_alpha: bool = True,
-    fit_overhead: bool = True,
-) -> LinkModel:
+def fit_link_model(measurements: Sequence[Measurement], *,
+                   weighting: Literal["relative", "absolute"] = "relative",
+                   fit_alpha: bool = True, fit_overhead: bool = True) -> LinkModel:
     """Calibrates a :class:`LinkModel` by non-negative least squares.
 
     Solves ``seconds ~ call_overhead + steps * alpha + wire_bytes * (1 / bandwidth)``
@@ -264,9 +228,6 @@ def fit_link_model(
             messages count alike; ``'absolute'`` minimises residuals in seconds.
         fit_alpha: If False, ``alpha`` is fixed at 0.
         fit_overhead: If False, ``call_overhead`` is fixed at 0.
-
-    Returns:
-        The fitted link model.
 
     Raises:
         ValueError: If ``measurements`` is empty, ``weighting`` is unknown, or
@@ -304,8 +265,7 @@ def fit_link_model(
     norms = np.linalg.norm(x, axis=0)
     norms[norms == 0] = 1.0
     xs = x / norms
-    total_ss = float(y @ y)
-    tol = 1e-12 * total_ss
+    tol = 1e-12 * float(y @ y)  # of the total sum of squares
 
     allowed = {2} | ({0} if fit_overhead else set()) | ({1} if fit_alpha else set())
 
@@ -339,11 +299,9 @@ def fit_link_model(
             full[list(support)] = coef / norms[list(support)]
             best = (sse, full)
     if best is None or (flat is not None and flat < best[0] - tol):
-        raise ValueError(
-            f"{api}: measurements do not determine a positive bandwidth: time must grow "
-            "with the bytes on the wire; include several message sizes large "
-            "enough for the transfer to dominate"
-        )
+        raise ValueError(f"{api}: measurements do not determine a positive bandwidth: time "
+                         "must grow with the bytes on the wire; include several message "
+                         "sizes large enough for the transfer to dominate")
     overhead, alpha, inv_bw = (float(v) for v in best[1])
     return LinkModel(alpha=alpha, bandwidth=1.0 / inv_bw, call_overhead=overhead)
 
@@ -356,15 +314,13 @@ def validate(model: LinkModel, measurements: Iterable[Measurement]) -> list[Vali
         measurements: Measured points.
 
     Returns:
-        One :class:`Validation` ``(measurement, predicted, rel_error)`` per point,
-        with ``rel_error = (predicted - measured) / measured``.
+        One :class:`Validation` ``(measurement, predicted, rel_error)`` per point.
 
     Example:
         >>> round(validate(LinkModel(0.0, 1e3), [Measurement(8, 4, 800, 0.8)])[0].rel_error, 12)
         0.25
     """
-    if not isinstance(model, LinkModel):
-        raise TypeError(f"validate: model must be a LinkModel, got {type(model).__name__}")
+    _check_link(model, "model", "validate")
     rows = []
     for m in measurements:
         predicted = predict_measurement(model, m)

@@ -1,16 +1,9 @@
 """The alpha-beta link model and the times it predicts.
 
-A ring all-reduce over ``n`` ranks of a buffer of ``B`` bytes per rank is a
-reduce-scatter of ``n - 1`` steps followed by an all-gather of ``n - 1`` steps;
-every step sends one chunk of ``B / n`` bytes to the next rank. SkipReduce with
-``k`` skipped steps (``0 <= k <= n - 1``) runs only ``n - 1 - k`` reduce-scatter
-steps, so per rank it takes ``2 (n - 1) - k`` steps and sends
-``(2 (n - 1) - k) * B / n`` bytes, a fraction ``(2 (n - 1) - k) / (2 (n - 1))`` of
-the full ring. ``k = 0`` is the ordinary ring all-reduce; ``k = n - 1`` leaves only
-the all-gather, ``(n - 1) / n * B`` bytes. (The byte and step counts are those
-of ``skipreduce_jax._traffic``.)
-
-The time of one collective call is::
+For a buffer of ``B`` bytes per rank over ``n`` ranks, the steps and bytes of
+each call are those of ``skipreduce_jax._traffic`` (SkipReduce with ``k``
+skipped steps: ``2 (n - 1) - k`` steps of ``B / n`` bytes); the time of one
+collective call is::
 
     seconds = call_overhead + steps * alpha + bytes_per_rank_on_wire / bandwidth
 
@@ -19,21 +12,17 @@ bandwidth (bytes/s) and ``call_overhead`` a constant per call (s): dispatch,
 synchronisation and the local reduction setup. The three constants form a
 :class:`LinkModel`.
 
-Hierarchical SkipReduce runs on a mesh with a fast inner axis of size ``L``
-(devices of one host) and a slow outer axis of size ``N`` (hosts), as three
-calls in sequence:
-
-1. reduce-scatter over the inner axis on ``inner_link``: ``L - 1`` steps,
-   ``(L - 1) / L * B`` bytes per device;
-2. SkipReduce all-reduce over the outer axis on the ``B / L`` shard on
-   ``outer_link``: ``2 (N - 1) - k`` steps, ``(2 (N - 1) - k) * B / (L * N)``
-   bytes per device;
-3. all-gather over the inner axis on ``inner_link``, the same as step 1.
-
-An axis of size 1 issues no call and costs nothing, so ``L = 1`` reduces to the
-flat model on ``outer_link``. ``outer_link.bandwidth`` is what one device gets on
-the slow network while all ``L`` devices of its host send at once (the host NIC
-bandwidth divided by ``L`` when they share one NIC).
+Hierarchical SkipReduce, on a mesh of ``N`` hosts (the slow outer axis) of
+``L`` devices each (the fast inner axis), is three calls in sequence: a
+reduce-scatter over the inner axis on ``inner_link`` (``L - 1`` steps,
+``(L - 1) / L * B`` bytes per device), SkipReduce over the outer axis on the
+``B / L`` shard on ``outer_link`` (``2 (N - 1) - k`` steps,
+``(2 (N - 1) - k) * B / (L * N)`` bytes per device) and an all-gather over the
+inner axis, the same as the reduce-scatter. An axis of size 1 issues no call and
+costs nothing, so ``L = 1`` reduces to the flat model on ``outer_link``.
+``outer_link.bandwidth`` is what one device gets on the slow network while all
+``L`` devices of its host send at once (the host NIC bandwidth divided by ``L``
+when they share one NIC).
 
 Assumptions and limits
 ----------------------
@@ -52,16 +41,6 @@ Assumptions and limits
 * Group size: every ``n`` must be an integer ``>= 1``. A group of one rank
   communicates nothing: 0 steps, 0 bytes, predicted time 0 (no call overhead),
   and a traffic fraction of 1.0. There is no upper limit on ``n``.
-
-Skip ratio
-----------
-A skip ratio ``r`` in ``[0, 1]`` is turned into a step count by rounding half up
-(``skip_ratio_to_num_skip``)::
-
-    k = floor(r * (n - 1) + 0.5), clipped to [0, n - 1]
-
-so for ``n = 8``: ``r = 0.5 -> k = 4``, ``r = 0 -> k = 0``, ``r = 1 -> k = 7``.
-``k / (n - 1)`` maps back to the same ``k``.
 """
 
 from __future__ import annotations
@@ -108,17 +87,14 @@ class LinkModel:
     call_overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        api = "LinkModel"
-        object.__setattr__(self, "alpha", check_real(self.alpha, "alpha", api=api))
-        object.__setattr__(self, "bandwidth",
-                           check_real(self.bandwidth, "bandwidth", api=api, positive=True))
-        object.__setattr__(self, "call_overhead",
-                           check_real(self.call_overhead, "call_overhead", api=api))
+        for name in ("alpha", "bandwidth", "call_overhead"):
+            value = check_real(getattr(self, name), name, api="LinkModel",
+                               positive=name == "bandwidth")
+            object.__setattr__(self, name, value)
 
     @classmethod
-    def from_gbit(
-        cls, gbit_per_s: float, alpha: float = 0.0, call_overhead: float = 0.0
-    ) -> LinkModel:
+    def from_gbit(cls, gbit_per_s: float, alpha: float = 0.0,
+                  call_overhead: float = 0.0) -> LinkModel:
         """Builds a model from a bandwidth in Gbit/s (``1e9`` bits per second).
 
         Args:
@@ -137,15 +113,12 @@ class LinkModel:
         return cls.from_gbyte(g / 8.0, alpha=alpha, call_overhead=call_overhead)
 
     @classmethod
-    def from_gbyte(
-        cls, gbyte_per_s: float, alpha: float = 0.0, call_overhead: float = 0.0
-    ) -> LinkModel:
+    def from_gbyte(cls, gbyte_per_s: float, alpha: float = 0.0,
+                   call_overhead: float = 0.0) -> LinkModel:
         """Builds a model from a bandwidth in GB/s (``1e9`` bytes per second).
 
-        Args:
-            gbyte_per_s: Bandwidth per rank in GB/s, ``> 0``.
-            alpha: Latency per step in seconds.
-            call_overhead: Constant cost per call in seconds.
+        The arguments are those of :meth:`from_gbit`, with the bandwidth
+        ``gbyte_per_s`` in GB/s, ``> 0``.
 
         Returns:
             The link model, with ``bandwidth = gbyte_per_s * 1e9`` bytes/s.
@@ -163,11 +136,7 @@ class LinkModel:
         return self.bandwidth * 8.0 / 1e9
 
     def time(self, steps: float, nbytes: float) -> float:
-        """Predicts the time of one call.
-
-        Args:
-            steps: Number of sequential steps, ``>= 0``.
-            nbytes: Bytes sent per rank on the wire, ``>= 0``.
+        """Predicts the time of a call of ``steps`` steps that sends ``nbytes`` per rank (``>= 0``).
 
         Returns:
             ``call_overhead + steps * alpha + nbytes / bandwidth`` in seconds.
@@ -183,18 +152,11 @@ class LinkModel:
     def to_dict(self) -> dict[str, float]:
         """Returns the constants as a JSON-serialisable dict.
 
-        Returns:
-            ``{"alpha": ..., "bandwidth": ..., "call_overhead": ...}``.
-
         Example:
             >>> LinkModel(alpha=1e-6, bandwidth=1e9).to_dict()
             {'alpha': 1e-06, 'bandwidth': 1000000000.0, 'call_overhead': 0.0}
         """
-        return {
-            "alpha": self.alpha,
-            "bandwidth": self.bandwidth,
-            "call_overhead": self.call_overhead,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LinkModel:
@@ -203,9 +165,6 @@ class LinkModel:
         Args:
             data: Mapping with ``alpha`` and ``bandwidth`` (bytes/s) and
                 optionally ``call_overhead``; other keys are ignored.
-
-        Returns:
-            The link model.
 
         Example:
             >>> LinkModel.from_dict({"alpha": 0, "bandwidth": 1e9}).bandwidth
@@ -216,11 +175,15 @@ class LinkModel:
         missing = [key for key in ("alpha", "bandwidth") if key not in data]
         if missing:
             raise ValueError(f"link model is missing key(s) {missing}")
-        return cls(
-            alpha=data["alpha"],
-            bandwidth=data["bandwidth"],
-            call_overhead=data.get("call_overhead", 0.0),
-        )
+        return cls(alpha=data["alpha"], bandwidth=data["bandwidth"],
+                   call_overhead=data.get("call_overhead", 0.0))
+
+
+def write_json(path: str | os.PathLike[str], payload: Any) -> None:
+    """Writes ``payload`` to ``path`` as indented JSON and a final newline."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
 
 
 def save_link_model(path: str | os.PathLike[str], model: LinkModel) -> None:
@@ -230,24 +193,14 @@ def save_link_model(path: str | os.PathLike[str], model: LinkModel) -> None:
         path: Destination file.
         model: The model to write.
 
-    Returns:
-        None.
-
     Example:
         >>> save_link_model("link.json", LinkModel.from_gbit(100))  # doctest: +SKIP
     """
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({"model": model.to_dict()}, f, indent=2)
-        f.write("\n")
+    write_json(path, {"model": model.to_dict()})
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:
-    """The JSON value in ``path``; a file that is not JSON names itself and ``what``.
-
-    Raises:
-        ValueError: with the file, the line and the column, if it is not
-            valid JSON (or not UTF-8 text).
-    """
+    """The JSON in ``path``; a ValueError names the file, where it fails and ``what`` to pass."""
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
@@ -268,9 +221,6 @@ def load_link_model(path: str | os.PathLike[str]) -> LinkModel:
     Args:
         path: File to read.
 
-    Returns:
-        The link model.
-
     Example:
         >>> load_link_model("link.json")  # doctest: +SKIP
         LinkModel(alpha=1e-05, bandwidth=12500000000.0, call_overhead=0.0)
@@ -281,10 +231,9 @@ def load_link_model(path: str | os.PathLike[str]) -> LinkModel:
     return LinkModel.from_dict(data)
 
 
-def _check_link(link: Any, name: str, api: str) -> LinkModel:
+def _check_link(link: Any, name: str, api: str) -> None:
     if not isinstance(link, LinkModel):
         raise TypeError(f"{api}: {name} must be a LinkModel, got {type(link).__name__}")
-    return link
 
 
 def predict_skipreduce(nbytes: float, n: int, num_skip: int, link: LinkModel) -> float:
@@ -313,10 +262,7 @@ def predict_skipreduce(nbytes: float, n: int, num_skip: int, link: LinkModel) ->
 def predict_allreduce(nbytes: float, n: int, link: LinkModel) -> float:
     """Predicts the time of one ring all-reduce (:func:`predict_skipreduce` at k = 0).
 
-    Args:
-        nbytes: Buffer size per rank in bytes, ``>= 0``.
-        n: Number of ranks, ``>= 1`` (``n = 1`` costs 0).
-        link: Link constants.
+    The arguments are those of :func:`predict_skipreduce`, without ``num_skip``.
 
     Returns:
         Seconds: ``call_overhead + 2 (n - 1) alpha + 2 (n - 1) / n * nbytes / bandwidth``.
@@ -328,36 +274,22 @@ def predict_allreduce(nbytes: float, n: int, link: LinkModel) -> float:
     return predict_skipreduce(nbytes, n, 0, link)
 
 
-def _hierarchical_phases(
-    nbytes: float,
-    n_outer: int,
-    n_inner: int,
-    num_skip: int,
-    outer_link: LinkModel,
-    inner_link: LinkModel,
-) -> tuple[float, float]:
+def _hierarchical_phases(nbytes: float, n_outer: int, n_inner: int, num_skip: int,
+                         outer_link: LinkModel, inner_link: LinkModel) -> tuple[float, float]:
     """Returns ``(inner_seconds, outer_seconds)`` of hierarchical SkipReduce."""
-    api = "predict_hierarchical"
-    _check_link(outer_link, "outer_link", api)
-    _check_link(inner_link, "inner_link", api)
+    _check_link(outer_link, "outer_link", "predict_hierarchical")
+    _check_link(inner_link, "inner_link", "predict_hierarchical")
     hierarchical_bytes(nbytes, n_outer, n_inner, num_skip)  # checks every argument
     inner = 0.0
     if n_inner > 1:
-        # Reduce-scatter and all-gather, one call each.
         inner = (inner_link.time(n_inner - 1, reduce_scatter_bytes(nbytes, n_inner))
                  + inner_link.time(n_inner - 1, all_gather_bytes(nbytes, n_inner)))
     outer = predict_skipreduce(float(nbytes) / n_inner, n_outer, num_skip, outer_link)
     return inner, outer
 
 
-def predict_hierarchical(
-    nbytes: float,
-    n_outer: int,
-    n_inner: int,
-    num_skip: int,
-    outer_link: LinkModel,
-    inner_link: LinkModel,
-) -> float:
+def predict_hierarchical(nbytes: float, n_outer: int, n_inner: int, num_skip: int,
+                         outer_link: LinkModel, inner_link: LinkModel) -> float:
     """Predicts the time of hierarchical SkipReduce.
 
     Inner reduce-scatter, outer SkipReduce on the ``nbytes / n_inner`` shard and
@@ -379,30 +311,15 @@ def predict_hierarchical(
         >>> round(predict_hierarchical(1e9, 4, 8, 3, slow, fast), 6)
         0.025
     """
-    inner, outer = _hierarchical_phases(
-        nbytes, n_outer, n_inner, num_skip, outer_link, inner_link
-    )
-    return inner + outer
+    return sum(_hierarchical_phases(nbytes, n_outer, n_inner, num_skip, outer_link, inner_link))
 
 
-def predict_hierarchical_allreduce(
-    nbytes: float,
-    n_outer: int,
-    n_inner: int,
-    outer_link: LinkModel,
-    inner_link: LinkModel,
-) -> float:
+def predict_hierarchical_allreduce(nbytes: float, n_outer: int, n_inner: int,
+                                   outer_link: LinkModel, inner_link: LinkModel) -> float:
     """Predicts the time of a hierarchical all-reduce without skipping.
 
-    Args:
-        nbytes: Buffer size per device in bytes, ``>= 0``.
-        n_outer: Size of the slow outer axis (hosts), ``>= 1``.
-        n_inner: Size of the fast inner axis (devices per host), ``>= 1``.
-        outer_link: Constants of the slow network, per device.
-        inner_link: Constants of the fast intra-host links.
-
-    Returns:
-        Seconds; equal to ``predict_hierarchical(..., num_skip=0, ...)``.
+    The arguments are those of :func:`predict_hierarchical`, without ``num_skip``; the
+    result, in seconds, equals ``predict_hierarchical(..., num_skip=0, ...)``.
 
     Example:
         >>> slow, fast = LinkModel.from_gbit(100), LinkModel.from_gbit(800)
@@ -430,16 +347,12 @@ def _smallest_k(time_of_k: Callable[[int], float], k_max: int, target: float) ->
     return lo
 
 
-def required_num_skip(
-    nbytes: float, n: int, link: LinkModel, target_seconds: float
-) -> int | None:
+def required_num_skip(nbytes: float, n: int, link: LinkModel,
+                      target_seconds: float) -> int | None:
     """Finds the fewest skipped steps that meet a communication time target.
 
-    Args:
-        nbytes: Buffer size per rank in bytes, ``>= 0``.
-        n: Number of ranks, ``>= 1``.
-        link: Link constants.
-        target_seconds: Time budget for one call in seconds, ``>= 0``.
+    The arguments are those of :func:`predict_skipreduce` without ``num_skip``,
+    and ``target_seconds``, the time budget for one call in seconds, ``>= 0``.
 
     Returns:
         The smallest ``k`` in ``[0, n - 1]`` with
@@ -459,16 +372,11 @@ def required_num_skip(
     return _smallest_k(lambda k: predict_skipreduce(nbytes, n, k, link), n - 1, target)
 
 
-def required_skip_ratio(
-    nbytes: float, n: int, link: LinkModel, target_seconds: float
-) -> float | None:
+def required_skip_ratio(nbytes: float, n: int, link: LinkModel,
+                        target_seconds: float) -> float | None:
     """Finds the smallest skip ratio that meets a communication time target.
 
-    Args:
-        nbytes: Buffer size per rank in bytes, ``>= 0``.
-        n: Number of ranks, ``>= 1``.
-        link: Link constants.
-        target_seconds: Time budget for one call in seconds, ``>= 0``.
+    The arguments are those of :func:`required_num_skip`.
 
     Returns:
         ``k / (n - 1)`` for ``k = required_num_skip(...)`` (0.0 when ``n = 1``),
@@ -485,23 +393,13 @@ def required_skip_ratio(
     return k / (n - 1) if n > 1 else 0.0
 
 
-def required_num_skip_hierarchical(
-    nbytes: float,
-    n_outer: int,
-    n_inner: int,
-    outer_link: LinkModel,
-    inner_link: LinkModel,
-    target_seconds: float,
-) -> int | None:
+def required_num_skip_hierarchical(nbytes: float, n_outer: int, n_inner: int,
+                                   outer_link: LinkModel, inner_link: LinkModel,
+                                   target_seconds: float) -> int | None:
     """Finds the fewest skipped outer steps that meet a time target, hierarchically.
 
-    Args:
-        nbytes: Buffer size per device in bytes, ``>= 0``.
-        n_outer: Size of the slow outer axis, ``>= 1``.
-        n_inner: Size of the fast inner axis, ``>= 1``.
-        outer_link: Constants of the slow network, per device.
-        inner_link: Constants of the fast intra-host links.
-        target_seconds: Time budget in seconds, ``>= 0``.
+    The arguments are those of :func:`predict_hierarchical` without ``num_skip``,
+    and the time budget ``target_seconds`` as in :func:`required_num_skip`.
 
     Returns:
         The smallest ``k`` in ``[0, n_outer - 1]`` with
@@ -516,8 +414,6 @@ def required_num_skip_hierarchical(
     n_outer = check_int(n_outer, "n_outer", api=api, minimum=1)
     target = check_real(target_seconds, "target_seconds", api=api)
     predict_hierarchical(nbytes, n_outer, n_inner, 0, outer_link, inner_link)
-
-    def time_of_k(k: int) -> float:
-        return predict_hierarchical(nbytes, n_outer, n_inner, k, outer_link, inner_link)
-
-    return _smallest_k(time_of_k, n_outer - 1, target)
+    return _smallest_k(
+        lambda k: predict_hierarchical(nbytes, n_outer, n_inner, k, outer_link, inner_link),
+        n_outer - 1, target)
