@@ -18,41 +18,21 @@ _ADAMW_ARGS = tuple(name for name in inspect.signature(optax.adamw).parameters
                     if name != "learning_rate")
 
 
-def skip_adamw(
-    learning_rate: float | optax.Schedule,
-    *,
-    axis_name: str,
-    skip_ratio: float,
-    seed: int = 0,
-    selective: PyTree | Callable[[PyTree], PyTree] | None = None,
-    min_size: int = 0,
-    warmup_steps: int = 30,
-    **adamw_kwargs: Any,
-) -> optax.GradientTransformationExtraArgs:
+def skip_adamw(learning_rate: float | optax.Schedule, *, axis_name: str, skip_ratio: float,
+               seed: int = 0, selective: PyTree | Callable[[PyTree], PyTree] | None = None,
+               min_size: int = 0, warmup_steps: int = 30,
+               **adamw_kwargs: Any) -> optax.GradientTransformationExtraArgs:
     """AdamW on SkipReduce-averaged gradients, with the measured defaults.
 
     It is ``optax.chain(skip_reduce(axis_name, skip_ratio=..., seed=...,
     selective=..., min_size=..., warmup_steps=...), optax.adamw(learning_rate,
     **adamw_kwargs))``: 30 full all-reduce steps first, every leaf may be
-    skipped (``min_size=0``), no error feedback.
-    On the MLP of ``benchmarks/convergence.py`` (AdamW, N = 8, skip ratio
-    0.5, 300 steps, 6 seeds) those 30 warm-up steps ended below plain Random
-    in every seed (by 0.003-0.004 nats, a sixth of its gap to the all-reduce)
-    and never needed more steps, for 4% more bytes over that run and
-    nothing measurable over a long one. That was the paper's schedule; with
-    the default balanced schedules they ended below it in 5 of 6 seeds
-    (median 0.719 against 0.726), at 0.90 of the half-batch bound's steps
-    against 0.86 (within the seeds' spread). Error feedback (3 seeds) ended
-    higher than plain Random; 8 warm-up steps changed nothing; freezing
-    AdamW's second moment after the warm-up (1-bit Adam) sped the
-    all-reduce up as much as Random, so it does not address the skipped
-    contributions. ``min_size=0``: on the emulated 4-host cluster at
-    500 Mbit/s (``make bench-tta-lm``) ``skip_reduce``'s default of 100 000,
-    which all-reduces the LM's small leaves separately, made each step
+    skipped (``min_size=0``), no error feedback: on the convergence study's
+    AdamW MLP the warm-up ended below plain Random in every seed, and on the
+    emulated cluster ``skip_reduce``'s default ``min_size`` made each LM step
     slower than the plain all-reduce's (433 against 408 ms; 254 ms with
-    ``min_size=0``). The warm-up costs its all-reduce steps: 13 s of a
-    30 s run there, nothing in a long one. Run it inside ``jax.shard_map``
-    on each rank's LOCAL gradients, as :func:`skip_reduce`.
+    ``min_size=0``). Run it inside ``jax.shard_map`` on each rank's LOCAL
+    gradients, as :func:`skip_reduce`.
 
     Args:
       learning_rate: a non-negative float or an optax schedule.
@@ -79,11 +59,6 @@ def skip_adamw(
       ValueError: for a value out of range.
 
     Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import numpy as np
-      >>> import skipreduce_jax as sr
-      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> tx = sr.skip_adamw(1e-3, axis_name="data", skip_ratio=0.5, min_size=0)
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch @ params["w"] - 1.0) ** 2)
@@ -97,10 +72,9 @@ def skip_adamw(
     unknown = sorted(set(adamw_kwargs) - set(_ADAMW_ARGS))
     if unknown:
         raise TypeError(
-            f"{_API}: unexpected argument(s) {', '.join(unknown)}. It passes on "
-            f"to optax.adamw only {', '.join(_ADAMW_ARGS)}; for other "
-            "skip_reduce settings build optax.chain(skipreduce_jax.skip_reduce"
-            "(...), optax.adamw(...)).")
+            f"{_API}: unexpected argument(s) {', '.join(unknown)}. It passes on to optax.adamw "
+            f"only {', '.join(_ADAMW_ARGS)}; for other skip_reduce settings build "
+            "optax.chain(skipreduce_jax.skip_reduce(...), optax.adamw(...)).")
     if not callable(learning_rate):
         checks.check_real(learning_rate, "learning_rate", api=_API)
     checks.check_axis_name(axis_name, api=_API)

@@ -1,24 +1,20 @@
 """``MultiSteps``: optax's gradient accumulation, one reduction per update.
 
-optax's ``MultiSteps`` runs the optimizer it wraps on every micro-step and
-keeps the result only on the last one; its accumulator is built by
-``tx.init`` like the params, the same on every rank. Around ``skip_reduce``
-that would run the ring on every micro-step, and a replicated accumulator
-cannot hold each rank's own gradients. :class:`MultiSteps` is optax's class
-with another ``update``, used as optax's is (a flax ``TrainState``, an
-``nnx.Optimizer``, ``make_train_step``):
+Around ``skip_reduce``, optax's ``MultiSteps`` would run the ring on every
+micro-step, over an accumulator built by ``tx.init`` the same on every rank.
+:class:`MultiSteps` is optax's class with another ``update``:
 
 - ``acc_grads`` is per-rank state: one row per rank (a leading axis of size
   1 inside ``shard_map``, stacked along the data axes outside), placed by
   ``init_opt_state``, ``state_specs`` and ``data_parallel`` like the
   error-feedback residuals, in the params' layout over other mesh axes;
 - the wrapped optimizer, and so the ring, runs inside a ``lax.cond`` taken
-  on the micro-step that applies the update: one reduction per k
-  micro-steps. The state is optax's ``MultiStepsState``, field for field,
-  and each applied update is optax's for the mean of the ranks' gradients.
+  on the micro-step that applies the update. The state is optax's
+  ``MultiStepsState``, and each applied update is optax's for the mean of
+  the ranks' gradients.
 
 A plain ``optax.MultiSteps`` around ``skip_reduce`` is refused where its
-state is built (``init_opt_state``), naming this class.
+state is built (``init_opt_state``).
 """
 
 from __future__ import annotations
@@ -68,30 +64,28 @@ def check_owner(tx: Any, opt_state: Any, *, api: str) -> None:
     if not nodes:
         if api == "make_train_step" and isinstance(opt_state, optax.MultiStepsState):
             raise ValueError(
-                f"{api}: the optimizer is a MultiSteps whose chain holds no "
-                "skip_reduce. make_train_step's gradients are each rank's own "
-                "and skip_reduce is what reduces them: put it first in the "
-                "chain, e.g. skipreduce_jax.MultiSteps(optax.chain("
-                "skip_reduce(axis_name, ...), optax.sgd(...)), k).")
+                f"{api}: the optimizer is a MultiSteps whose chain holds no skip_reduce. "
+                "make_train_step's gradients are each rank's own and skip_reduce is what "
+                "reduces them: put it first in the chain, e.g. skipreduce_jax.MultiSteps("
+                "optax.chain(skip_reduce(axis_name, ...), optax.sgd(...)), k).")
         return
-    if isinstance(tx, MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
+    own = len(nodes) == 1 and nodes[0] is opt_state
+    if own and isinstance(tx, MultiSteps):
         return
-    if isinstance(tx, optax.MultiSteps) and len(nodes) == 1 and nodes[0] is opt_state:
+    if own and isinstance(tx, optax.MultiSteps):
         raise ValueError(
-            f"{api}: the optimizer is an optax.MultiSteps around skip_reduce. "
-            "optax's update would run the ring on every micro-step over a "
-            "replicated accumulator; use skipreduce_jax.MultiSteps, optax's class "
-            "with the same arguments and state, whose ranks accumulate their "
-            "local gradients and reduce once per update: "
-            "tx = skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k).")
+            f"{api}: the optimizer is an optax.MultiSteps around skip_reduce. optax's "
+            "update would run the ring on every micro-step over a replicated accumulator; "
+            "use skipreduce_jax.MultiSteps, optax's class with the same arguments and "
+            "state, whose ranks accumulate their local gradients and reduce once per "
+            "update: tx = skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k).")
     raise ValueError(
-        f"{api}: the optimizer holds a MultiSteps around skip_reduce that is not "
-        "the optimizer itself (made by .gradient_transformation(), or inside "
-        "optax.chain). Each rank accumulates its local gradients, and only the "
-        "MultiSteps object's own update can reduce them once per accumulated "
-        "step: pass the MultiSteps object as the optimizer, e.g. tx = "
-        "skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), ...), k), or "
-        "accumulate with make_train_step(..., microbatches=k).")
+        f"{api}: the optimizer holds a MultiSteps around skip_reduce that is not the "
+        "optimizer itself (made by .gradient_transformation(), or inside optax.chain). "
+        "Each rank accumulates its local gradients, and only the MultiSteps object's own "
+        "update can reduce them once per accumulated step: pass the MultiSteps object as "
+        "the optimizer, e.g. tx = skipreduce_jax.MultiSteps(optax.chain(skip_reduce(...), "
+        "...), k), or accumulate with make_train_step(..., microbatches=k).")
 
 
 class MultiSteps(optax.MultiSteps):
@@ -116,8 +110,7 @@ class MultiSteps(optax.MultiSteps):
                  *args: Any, **kwargs: Any):
         if not callable(every_k_schedule):
             check_int(every_k_schedule, "every_k_schedule", api="MultiSteps", minimum=1,
-                      allowed="a positive int (or a schedule: a function of the "
-                              "gradient step)")
+                      allowed="a positive int (or a schedule: a function of the gradient step)")
         super().__init__(opt, every_k_schedule, *args, **kwargs)
 
     def update(self, updates: Any, state: optax.MultiStepsState, params: Any = None,
@@ -125,7 +118,44 @@ class MultiSteps(optax.MultiSteps):
         """Optax's update, with local accumulators and one reduction per step."""
         if not is_local_accumulator(state):
             return super().update(updates, state, params, **extra_args)
-        return _update(self, updates, state, params, **extra_args)
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        rows = treedef.flatten_up_to(state.acc_grads)
+        axes = _accumulator_axes(rows)
+        _check_rows(leaves, rows, axes)
+        k_steps = self._every_k_schedule(state.gradient_step)
+        skip, skip_state = self._should_skip_update_fn(updates, state.gradient_step, params)
+        if (skip.dtype, skip.shape) != (jnp.bool_, ()):
+            raise ValueError(
+                "optax.MultiSteps: should_skip_update_fn must return a boolean scalar "
+                f"array, but it returned one of dtype {skip.dtype} and shape {skip.shape}.")
+        # Each rank judged its own gradient: skip everywhere if any rank says so.
+        skip, skip_state = jax.tree_util.tree_map(lambda x: _agree(x, axes), (skip, skip_state))
+        acc = treedef.unflatten([self._acc_update(g, r[0], n_acc=state.mini_step)
+                                 for g, r in zip(leaves, rows, strict=True)])
+        emit = state.mini_step == k_steps - 1
+
+        def apply(acc, inner):  # the ring runs here, once per k micro-steps
+            out, new = self._opt.update(optax.tree.cast_like(acc, updates), inner,
+                                        params=params, **extra_args)
+            return out, jax.tree_util.tree_map(lambda n, s: n.astype(s.dtype), new, inner)
+
+        shapes, _ = jax.eval_shape(apply, acc, state.inner_opt_state)
+
+        def hold(acc, inner):
+            return jax.tree_util.tree_map(_zeros, shapes), inner
+
+        new_updates, inner = lax.cond(emit & ~skip, apply, hold, acc, state.inner_opt_state)
+        next_step = optax.safe_increment(state.mini_step) % k_steps
+        acc_rows = jax.tree_util.tree_map(
+            lambda a, r: jnp.where(skip, r, jnp.where(emit, 0, a[None])).astype(r.dtype),
+            acc, state.acc_grads)
+        return new_updates, optax.MultiStepsState(
+            mini_step=jnp.where(skip, state.mini_step, next_step),
+            gradient_step=jnp.where(emit & ~skip, optax.safe_increment(state.gradient_step),
+                                    state.gradient_step),
+            inner_opt_state=inner,
+            acc_grads=acc_rows,
+            skip_state=skip_state)
 
 
 def _accumulator_axes(rows: list[jax.Array]) -> tuple[str, ...]:
@@ -133,56 +163,11 @@ def _accumulator_axes(rows: list[jax.Array]) -> tuple[str, ...]:
     axes = sorted(set().union(*(varying_axes(r) for r in rows))) if rows else []
     if not axes:
         raise ValueError(
-            "MultiSteps around skip_reduce: the accumulated gradients (acc_grads) "
-            "are not typed per rank. Call the update inside the library's steps "
-            "(make_train_step, data_parallel, skipreduce_jax.nnx) or a "
-            "jax.shard_map with check_vma=True, and build the state with "
-            "skipreduce_jax.init_opt_state(tx, params, mesh).")
+            "MultiSteps around skip_reduce: the accumulated gradients (acc_grads) are not typed "
+            "per rank. Call the update inside the library's steps (make_train_step, "
+            "data_parallel, skipreduce_jax.nnx) or a jax.shard_map with check_vma=True, and "
+            "build the state with skipreduce_jax.init_opt_state(tx, params, mesh).")
     return tuple(axes)
-
-
-def _update(ms: MultiSteps, updates: Any, state: optax.MultiStepsState,
-            params: Any = None, **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
-    """``MultiSteps.update`` with local accumulators and one reduction per step."""
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    rows = treedef.flatten_up_to(state.acc_grads)
-    axes = _accumulator_axes(rows)
-    _check_rows(leaves, rows, axes)
-    k_steps = ms._every_k_schedule(state.gradient_step)
-    skip, skip_state = ms._should_skip_update_fn(updates, state.gradient_step, params)
-    if (skip.dtype, skip.shape) != (jnp.bool_, ()):
-        raise ValueError(
-            "optax.MultiSteps: should_skip_update_fn must return a boolean scalar "
-            f"array, but it returned one of dtype {skip.dtype} and shape {skip.shape}.")
-    # Each rank judged its own gradient: skip everywhere if any rank says so.
-    skip, skip_state = jax.tree_util.tree_map(lambda x: _agree(x, axes),
-                                              (skip, skip_state))
-    acc = treedef.unflatten([ms._acc_update(g, r[0], n_acc=state.mini_step)
-                             for g, r in zip(leaves, rows, strict=True)])
-    emit = state.mini_step == k_steps - 1
-
-    def apply(acc, inner):  # the ring runs here, once per k micro-steps
-        out, new = ms._opt.update(optax.tree.cast_like(acc, updates), inner,
-                                  params=params, **extra_args)
-        return out, jax.tree_util.tree_map(lambda n, s: n.astype(s.dtype), new, inner)
-
-    shapes, _ = jax.eval_shape(apply, acc, state.inner_opt_state)
-
-    def hold(acc, inner):
-        return jax.tree_util.tree_map(_zeros, shapes), inner
-
-    new_updates, inner = lax.cond(emit & ~skip, apply, hold, acc, state.inner_opt_state)
-    next_step = optax.safe_increment(state.mini_step) % k_steps
-    acc_rows = jax.tree_util.tree_map(
-        lambda a, r: jnp.where(skip, r, jnp.where(emit, 0, a[None])).astype(r.dtype),
-        acc, state.acc_grads)
-    return new_updates, optax.MultiStepsState(
-        mini_step=jnp.where(skip, state.mini_step, next_step),
-        gradient_step=jnp.where(emit & ~skip, optax.safe_increment(state.gradient_step),
-                                state.gradient_step),
-        inner_opt_state=inner,
-        acc_grads=acc_rows,
-        skip_state=skip_state)
 
 
 def _agree(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -205,19 +190,16 @@ def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
 def _check_rows(leaves: list[jax.Array], rows: list[jax.Array],
                 axes: tuple[str, ...]) -> None:
     """Refuses an accumulator that is not one row of this rank's own."""
+    local = vma_checked(axes[0])
     for g, r in zip(leaves, rows, strict=True):
-        local = vma_checked(axes[0])
-        if tuple(r.shape) == (1,) + tuple(g.shape) and (
-                not local or axes[0] in varying_axes(r)):
+        invariant = local and axes[0] not in varying_axes(r)
+        if tuple(r.shape) == (1,) + tuple(g.shape) and not invariant:
             continue
         raise ValueError(
-            "optax.MultiSteps around skip_reduce: the accumulated gradients "
-            f"(acc_grads) of a gradient of shape {tuple(g.shape)} have local "
-            f"shape {tuple(r.shape)}"
-            + ("" if not local or axes[0] in varying_axes(r) else
-               f", replicated (invariant) over {axes[0]!r}")
-            + f"; each rank needs one row of its own, {(1,) + tuple(g.shape)}. "
-            "The state was made by tx.init (the same accumulator on every "
-            "rank) or for other params. Build it with "
-            "skipreduce_jax.init_opt_state(tx, params, mesh) (with NNX, "
+            "optax.MultiSteps around skip_reduce: the accumulated gradients (acc_grads) of "
+            f"a gradient of shape {tuple(g.shape)} have local shape {tuple(r.shape)}"
+            + (f", replicated (invariant) over {axes[0]!r}" if invariant else "")
+            + f"; each rank needs one row of its own, {(1,) + tuple(g.shape)}. The state "
+            "was made by tx.init (the same accumulator on every rank) or for other params. "
+            "Build it with skipreduce_jax.init_opt_state(tx, params, mesh) (with NNX, "
             "skipreduce_jax.nnx.init_optimizer(model, tx, mesh)).")

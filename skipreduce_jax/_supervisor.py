@@ -1,22 +1,12 @@
 """Runs the processes of one job to the end, as one: the launcher's supervisor.
 
-A :class:`Job` starts each :class:`Process` (its own command, environment
-and output prefix) in its own session, forwards every line it writes
-(stdout and stderr) to ``sys.stdout`` behind its prefix, and waits until
-
-* all processes exited with 0: the status is 0;
-* one failed: the status is the exit code of the first process that ended
-  with a non-zero status (``128 + N`` if it was killed by signal ``N``); a
-  process that failed because another one died first is not blamed, only
-  listed;
-* the timeout passed: :data:`EXIT_TIMEOUT`;
-* this process got SIGINT, SIGTERM or SIGHUP (``N``): ``128 + N`` (handled
-  only when run in the main thread).
-
-Except on success, it reports why on ``sys.stderr`` (``NAME: ...``) and ends
-all processes: SIGTERM to each process group, then SIGKILL after
-:data:`KILL_GRACE_SECONDS` (JAX catches SIGTERM). What a process leaves
-running in its group is killed when the job ends, also after a clean exit.
+A :class:`Job` starts each :class:`Process` in its own session, forwards
+every line it writes (stdout and stderr) to ``sys.stdout`` behind its
+prefix, and ends all of them when one fails, the timeout passes or this
+process gets SIGINT, SIGTERM or SIGHUP (handled only in the main thread),
+with the exit statuses and the report on ``sys.stderr`` that
+:mod:`skipreduce_jax.launch` describes. A process that failed because
+another one died first is not blamed, only listed.
 
 Used by ``python -m skipreduce_jax.launch`` and ``benchmarks/cluster.py``;
 both name the time limit ``--timeout`` on their command line.
@@ -24,6 +14,7 @@ both name the time limit ``--timeout`` on their command line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -79,8 +70,7 @@ class Job:
         0
     """
 
-    def __init__(self, processes: Sequence[Process], *, timeout: float | None,
-                 name: str) -> None:
+    def __init__(self, processes: Sequence[Process], *, timeout: float | None, name: str) -> None:
         self.processes = list(processes)
         self.timeout = timeout
         self.name = name
@@ -120,41 +110,26 @@ class Job:
             if self.received_signal is None:
                 self.received_signal = signum
 
-        previous: dict[int, Any] = {}
-        for signum in _HANDLED_SIGNALS:
-            previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, on_signal)
-        return previous
+        # signal.signal returns the handler it replaces.
+        return {signum: signal.signal(signum, on_signal) for signum in _HANDLED_SIGNALS}
 
     def _start(self) -> None:
         for process in self.processes:
-            self.procs.append(
-                subprocess.Popen(
-                    list(process.command),
-                    env=dict(process.env),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            self.procs.append(subprocess.Popen(
+                list(process.command), env=dict(process.env), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
         for rank, proc in enumerate(self.procs):
             assert proc.stdout is not None
-            reader = threading.Thread(
-                target=self._forward, args=(self.processes[rank].prefix, proc.stdout),
-                name=f"{self.name}-out{rank}", daemon=True,
-            )
+            reader = threading.Thread(target=self._forward, name=f"{self.name}-out{rank}",
+                                      args=(self.processes[rank].prefix, proc.stdout), daemon=True)
             reader.start()
             self.readers.append(reader)
-            threading.Thread(
-                target=self._record_exit, args=(rank, proc), name=f"{self.name}-wait{rank}",
-                daemon=True,
-            ).start()
+            threading.Thread(target=self._record_exit, args=(rank, proc),
+                             name=f"{self.name}-wait{rank}", daemon=True).start()
 
     def _record_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        # One thread per process, blocked in its wait: the order of the list
-        # is the order in which the processes ended, so a process that failed
-        # because another one died first is not blamed for it.
+        # One thread per process, blocked in its wait: self.exits lists the
+        # processes in the order they ended (see _blame).
         code = proc.wait()
         with self.exits_lock:
             self.exits.append((rank, code))
@@ -165,14 +140,11 @@ class Job:
                 line = raw.decode("utf-8", errors="replace")
                 if not line.endswith("\n"):
                     line += "\n"
-                with self.out_lock:
-                    try:
-                        sys.stdout.write(prefix + line)
-                        sys.stdout.flush()
-                    except (AttributeError, OSError, ValueError):
-                        # No or broken stdout: keep reading, so that the
-                        # process never blocks on a full pipe.
-                        pass
+                # No or broken stdout: keep reading, so that the process never
+                # blocks on a full pipe.
+                with self.out_lock, contextlib.suppress(AttributeError, OSError, ValueError):
+                    sys.stdout.write(prefix + line)
+                    sys.stdout.flush()
 
     def _wait(self) -> tuple[int, str | None]:
         count = len(self.procs)
@@ -182,8 +154,7 @@ class Job:
                 name = _signal_name(self.received_signal)
                 running = sum(p.poll() is None for p in self.procs)
                 return 128 + self.received_signal, (
-                    f"received {name}; ending the {running} running process(es)."
-                )
+                    f"received {name}; ending the {running} running process(es).")
             with self.exits_lock:
                 exits = list(self.exits)
             failed = [(rank, code) for rank, code in exits if code != 0]
@@ -196,8 +167,7 @@ class Job:
             if deadline is not None and time.monotonic() >= deadline:
                 return EXIT_TIMEOUT, (
                     f"timeout: process(es) {', '.join(map(str, running))} of {count} "
-                    f"still running after {self.timeout:g} s (--timeout); ending them."
-                )
+                    f"still running after {self.timeout:g} s (--timeout); ending them.")
             time.sleep(_POLL_SECONDS)
 
     def _blame(self, failed: list[tuple[int, int]]) -> tuple[int, str]:
@@ -249,7 +219,5 @@ def _signal_name(signum: int) -> str:
 
 
 def _kill_group(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass

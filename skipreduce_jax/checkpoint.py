@@ -1,10 +1,9 @@
 """Saving and resuming a data-parallel run with orbax-checkpoint.
 
 A checkpoint holds the params and the whole optimizer state, including each
-:class:`~skipreduce_jax.SkipReduceState`: the step count (which picks the
-step's key), the key data, the settings fingerprint and the error-feedback
-residuals, one row per rank. Resuming from it continues the run exactly as if
-it had never stopped::
+:class:`~skipreduce_jax.SkipReduceState` (step count, key data, settings
+fingerprint, error-feedback residuals one row per rank). Resuming from it
+continues the run exactly as if it had never stopped::
 
     save(ckpt_dir, step, params, opt_state)
     ...
@@ -14,16 +13,9 @@ it had never stopped::
     step, params, opt_state = restore(ckpt_dir, params_like=params,
                                       opt_state_like=opt_state)
 
-:func:`restore` places every array with the sharding of the matching leaf of
-the ``*_like`` trees (replicated params on every device, each residual row
-back on its own rank's device) and refuses a checkpoint whose
-``skip_reduce`` settings differ from those of the optimizer it resumes.
-
 In a multi-process run every process calls :func:`save` and :func:`restore`
-with the same directory, on a file system all of them see; orbax writes each
-process's shards and synchronizes the processes.
-
-Requires ``orbax-checkpoint`` (``pip install skipreduce_jax[checkpoint]``).
+with the same directory, on a file system all of them see. Requires
+``orbax-checkpoint`` (``pip install skipreduce_jax[checkpoint]``).
 """
 
 from __future__ import annotations
@@ -56,9 +48,8 @@ def _manager(directory: str | os.PathLike[str], *, create: bool,
     path = os.path.abspath(os.fspath(directory))
     if not create and not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist.")
-    options = ocp.CheckpointManagerOptions(
-        create=create, max_to_keep=max_to_keep,
-        enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(create=create, max_to_keep=max_to_keep,
+                                           enable_async_checkpointing=False)
     handlers = {_PARAMS: ocp.StandardCheckpointHandler(),
                 _OPT_STATE: ocp.StandardCheckpointHandler(),
                 _SETTINGS: ocp.JsonCheckpointHandler()}
@@ -67,53 +58,39 @@ def _manager(directory: str | os.PathLike[str], *, create: bool,
 
 def _skip_states(opt_state: Any) -> list[tuple[str, SkipReduceState]]:
     """Every SkipReduceState in ``opt_state`` with its path, in tree order."""
-    found = []
-
-    def visit(path, node):
-        if isinstance(node, SkipReduceState):
-            found.append((jax.tree_util.keystr(path), node))
-
-    jax.tree_util.tree_map_with_path(
-        visit, opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
-    return found
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda n: isinstance(n, SkipReduceState))
+    return [(jax.tree_util.keystr(path), node) for path, node in flat
+            if isinstance(node, SkipReduceState)]
 
 
 def _without_empty(tree: Any) -> Any:
-    """``tree`` with zero-size leaves replaced by None.
-
-    Orbax refuses zero-size leaves, e.g. the ``[N, 0]`` residual of a leaf that
-    is never skipped.
-    """
-    return jax.tree_util.tree_map(
-        lambda x: None if np.size(x) == 0 else x, tree)
+    """``tree`` with zero-size leaves (which orbax refuses) replaced by None."""
+    return jax.tree_util.tree_map(lambda x: None if np.size(x) == 0 else x, tree)
 
 
 def _with_empty(restored: Any, like: Any) -> Any:
-    """Puts back the zero-size leaves of ``like`` that ``_without_empty`` left out.
-
-    Each gets its shape, dtype and sharding back.
-    """
+    """Puts back the zero-size leaves of ``like`` that ``_without_empty`` left out."""
     leaves, treedef = jax.tree_util.tree_flatten(like)
     stored = iter(jax.tree_util.tree_leaves(restored))
 
     def empty(x):
         value = np.zeros(np.shape(x), x.dtype)
-        return jax.make_array_from_callback(value.shape, x.sharding,
-                                            lambda index: value[index])
+        return jax.make_array_from_callback(value.shape, x.sharding, lambda index: value[index])
 
     return jax.tree_util.tree_unflatten(
         treedef, [empty(x) if np.size(x) == 0 else next(stored) for x in leaves])
 
 
-def _per_rank(state: SkipReduceState) -> list[Any]:
-    """The per-rank leaves: the error-feedback residuals."""
-    return jax.tree_util.tree_leaves(state.residual)
+def _residual_shapes(state: SkipReduceState) -> list[list[int]]:
+    """The shapes of the per-rank leaves: the error-feedback residuals."""
+    return [list(np.shape(x)) for x in jax.tree_util.tree_leaves(state.residual)]
 
 
 def _rows(state: SkipReduceState) -> int | None:
     """The ranks the per-rank leaves hold rows for (None: there are none)."""
-    leaves = _per_rank(state)
-    return int(np.shape(leaves[0])[0]) if leaves else None
+    shapes = _residual_shapes(state)
+    return int(shapes[0][0]) if shapes else None
 
 
 def _value(leaf: Any) -> int | None:
@@ -125,27 +102,16 @@ def _value(leaf: Any) -> int | None:
     return int(np.asarray(leaf))
 
 
-def _residual_shapes(state: SkipReduceState) -> list[list[int]]:
-    return [list(np.shape(x)) for x in _per_rank(state)]
-
-
 def _settings(opt_state: Any) -> dict[str, Any]:
     return {"skip_reduce": [
         {"path": path, "fields": list(SkipReduceState._fields),
-         "fingerprint": _value(state.fingerprint),
-         "residual_rows": _rows(state),
+         "fingerprint": _value(state.fingerprint), "residual_rows": _rows(state),
          "residual_shapes": _residual_shapes(state)}
         for path, state in _skip_states(opt_state)]}
 
 
-def save(
-    directory: str | os.PathLike[str],
-    step: int,
-    params: PyTree,
-    opt_state: PyTree,
-    *,
-    max_to_keep: int | None = None,
-) -> None:
+def save(directory: str | os.PathLike[str], step: int, params: PyTree, opt_state: PyTree, *,
+         max_to_keep: int | None = None) -> None:
     """Writes ``params`` and ``opt_state`` as checkpoint ``step``.
 
     Blocks until the checkpoint is complete on disk, so the caller may
@@ -171,8 +137,7 @@ def save(
       >>> save("/tmp/run1", 100, params, opt_state)  # doctest: +SKIP
     """
     step = checks.check_int(step, "step", api="checkpoint.save", minimum=0,
-                            what="(the training step, as the directory's "
-                            "subdirectory name)")
+                            what="(the training step, as the directory's subdirectory name)")
     with _manager(directory, create=True, max_to_keep=max_to_keep) as manager:
         latest = manager.latest_step()
         saved = manager.save(step, args=ocp.args.Composite(**{
@@ -183,9 +148,8 @@ def save(
         manager.wait_until_finished()
     if not saved:
         raise ValueError(
-            f"checkpoint step {step} was not saved: {os.fspath(directory)!r} "
-            f"already holds step {latest}, and steps must increase. Use a new "
-            "directory or a larger step.")
+            f"checkpoint step {step} was not saved: {os.fspath(directory)!r} already holds "
+            f"step {latest}, and steps must increase. Use a new directory or a larger step.")
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
@@ -198,8 +162,7 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
         return None
     # Finalized step directories named as save names them (str(step)), the
     # only ones restore reads (orbax would also count e.g. "backup_9").
-    steps = [int(path.name) for path in
-             ocp.utils.checkpoint_steps_paths(os.fspath(directory))
+    steps = [int(path.name) for path in ocp.utils.checkpoint_steps_paths(os.fspath(directory))
              if path.name.isdigit()]
     return max(steps) if steps else None
 
@@ -211,10 +174,9 @@ def _abstract(tree: Any, name: str) -> Any:
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, jax.sharding.Sharding):
             raise TypeError(
-                f"restore: {name}{jax.tree_util.keystr(path)} has no sharding "
-                f"(got {type(x).__name__}). Pass arrays placed on the mesh "
-                "(skipreduce_jax.replicate / init_opt_state) or "
-                "jax.ShapeDtypeStruct(shape, dtype, sharding=...).")
+                f"restore: {name}{jax.tree_util.keystr(path)} has no sharding (got "
+                f"{type(x).__name__}). Pass arrays placed on the mesh (skipreduce_jax.replicate "
+                "/ init_opt_state) or jax.ShapeDtypeStruct(shape, dtype, sharding=...).")
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
@@ -244,15 +206,9 @@ def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
 
 def _check_arrays(saved: Any, target: Any, name: str, step: int,
                   per_rank: dict[tuple[str, ...], str], fix: str) -> None:
-    """Refuses a target tree whose leaves or shapes are not the checkpoint's.
+    """Refuses a ``target`` whose leaves or shapes are not those of ``saved`` (orbax metadata).
 
-    Args:
-      saved: the item's metadata (a tree of orbax ``ArrayMetadata``).
-      target: what :func:`restore` would read it into (``_without_empty``).
-      name: ``"params_like"`` or ``"opt_state_like"``.
-      step: the checkpoint step, for the message.
-      per_rank: the per-rank field name of each per-rank leaf, by path.
-      fix: what the message tells the caller to do.
+    ``per_rank`` names the per-rank field of each per-rank leaf, by path; ``fix`` ends the message.
     """
     saved = _shapes(getattr(saved, "tree", saved))
     ours = _shapes(target)
@@ -267,13 +223,11 @@ def _check_arrays(saved: Any, target: Any, name: str, step: int,
         field = per_rank.get(path)
         if field and stored[1:] == shape[1:]:
             raise ValueError(
-                f"restore: {name}{where} is per-rank state ({field}, one row "
-                f"per rank): checkpoint step {step} has rows for {stored[0]} "
-                f"ranks, {name} for {shape[0]}. Per-rank state cannot be split "
-                "again: resume on the same number of data-parallel ranks, with "
-                f"{name} built by skipreduce_jax.init_opt_state.")
-        problems.append(f"{name}{where} has shape {shape}, the checkpoint "
-                        f"{stored}")
+                f"restore: {name}{where} is per-rank state ({field}, one row per rank): "
+                f"checkpoint step {step} has rows for {stored[0]} ranks, {name} for "
+                f"{shape[0]}. Per-rank state cannot be split again: resume on the same number "
+                f"of data-parallel ranks, with {name} built by skipreduce_jax.init_opt_state.")
+        problems.append(f"{name}{where} has shape {shape}, the checkpoint {stored}")
     problems += [f"the checkpoint holds {where}, which {name} lacks"
                  for path, (_, where) in saved.items() if path not in ours]
     if problems:
@@ -290,94 +244,80 @@ def _read(manager: ocp.CheckpointManager, step: int, directory: Any,
         return manager.restore(step, args=ocp.args.Composite(**items))
     except KeyError as e:
         raise FileNotFoundError(
-            f"restore: checkpoint step {step} in {os.fspath(directory)!r} has "
-            f"no {what} ({e.args[0] if e.args else e}): it was not written by "
-            "skipreduce_jax.checkpoint.save, or a part of it was deleted. "
-            "Restore another step (step=...).") from None
+            f"restore: checkpoint step {step} in {os.fspath(directory)!r} has no {what} "
+            f"({e.args[0] if e.args else e}): it was not written by "
+            "skipreduce_jax.checkpoint.save, or a part of it was deleted. Restore another step "
+            "(step=...).") from None
     except json.JSONDecodeError as e:
         raise ValueError(
-            f"restore: the {what} of checkpoint step {step} in "
-            f"{os.fspath(directory)!r} is damaged (not valid JSON: {e}). "
-            "Restore another step (step=...).") from None
+            f"restore: the {what} of checkpoint step {step} in {os.fspath(directory)!r} is "
+            f"damaged (not valid JSON: {e}). Restore another step (step=...).") from None
     except ValueError as e:
         raise _unreadable(e, what, step, directory) from None
 
 
-def _unreadable(error: Exception, what: str, step: int, directory: Any
-                ) -> ValueError:
+def _unreadable(error: Exception, what: str, step: int, directory: Any) -> ValueError:
     """The error for files orbax or tensorstore could not read."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return ValueError(
-        f"restore: the {what} of checkpoint step {step} in "
-        f"{os.fspath(directory)!r} could not be read ({first[:300]}): its "
-        "files are damaged or incomplete. Restore another step (step=...).")
+        f"restore: the {what} of checkpoint step {step} in {os.fspath(directory)!r} could not "
+        f"be read ({first[:300]}): its files are damaged or incomplete. Restore another step "
+        "(step=...).")
 
 
-def _check_settings(saved: dict[str, Any], opt_state_like: Any,
-                    step: int) -> None:
+def _check_settings(saved: dict[str, Any], opt_state_like: Any, step: int) -> None:
     """Refuses a checkpoint whose skip_reduce settings differ from the tx's."""
     saved_states = saved["skip_reduce"]
     like_states = _skip_states(opt_state_like)
     if len(saved_states) != len(like_states):
         raise ValueError(
-            f"restore: checkpoint step {step} holds {len(saved_states)} "
-            f"skip_reduce state(s) but opt_state_like holds "
-            f"{len(like_states)}: the optimizer is built differently.")
+            f"restore: checkpoint step {step} holds {len(saved_states)} skip_reduce state(s) "
+            f"but opt_state_like holds {len(like_states)}: the optimizer is built differently.")
     ours = list(SkipReduceState._fields)
     for entry, (path, state) in zip(saved_states, like_states, strict=True):
         where = f"opt_state{path}"
         fields = entry.get("fields")
         if fields != ours:
-            written = ("an earlier version, whose state also held the fields "
-                       "of the retired control_variate and monitor options"
-                       if fields is None else
+            written = ("an earlier version, whose state also held the fields of the retired "
+                       "control_variate and monitor options" if fields is None else
                        f"a version whose state has the fields {fields}")
             raise ValueError(
-                f"restore: the skip_reduce state at {where} of checkpoint step "
-                f"{step} was written by {written}; this version's "
-                f"SkipReduceState has {ours}. Resume it with the version "
-                "that wrote it, or start a new run.")
+                f"restore: the skip_reduce state at {where} of checkpoint step {step} was "
+                f"written by {written}; this version's SkipReduceState has {ours}. Resume it "
+                "with the version that wrote it, or start a new run.")
         want = _value(state.fingerprint)
         if want is not None and entry["fingerprint"] != want:
             raise ValueError(
-                f"restore: the skip_reduce settings of checkpoint step {step} "
-                f"(fingerprint {entry['fingerprint']:#010x} at {where}) differ "
-                f"from those of the optimizer in opt_state_like (fingerprint "
-                f"{want:#010x}). Build skip_reduce with the same "
-                f"{_COMPARED_SETTINGS} as the run that saved it.")
+                f"restore: the skip_reduce settings of checkpoint step {step} (fingerprint "
+                f"{entry['fingerprint']:#010x} at {where}) differ from those of the optimizer "
+                f"in opt_state_like (fingerprint {want:#010x}). Build skip_reduce with the "
+                f"same {_COMPARED_SETTINGS} as the run that saved it.")
         rows = _rows(state)
         if entry["residual_rows"] != rows:
             raise ValueError(
-                f"restore: checkpoint step {step} has per-rank rows (error-"
-                "feedback residuals) "
-                f"for {entry['residual_rows']} ranks at {where}, opt_state_like "
-                f"for {rows}. They are per rank: resume on the same "
-                "number of data-parallel ranks, with opt_state_like built by "
-                "skipreduce_jax.init_opt_state (tx.init alone makes one row).")
+                f"restore: checkpoint step {step} has per-rank rows (error-feedback residuals) "
+                f"for {entry['residual_rows']} ranks at {where}, opt_state_like for {rows}. "
+                "They are per rank: resume on the same number of data-parallel ranks, with "
+                "opt_state_like built by skipreduce_jax.init_opt_state (tx.init alone makes "
+                "one row).")
         shapes = _residual_shapes(state)
         if entry.get("residual_shapes", shapes) != shapes:
             raise ValueError(
-                f"restore: the per-rank rows of checkpoint step "
-                f"{step} at {where} have shapes {entry['residual_shapes']}, "
-                f"those of opt_state_like {shapes}: the leaves skipped differ "
-                "(selective or min_size changed, or other params). Build "
-                "skip_reduce with the selective and min_size of the run that "
-                "saved it.")
+                f"restore: the per-rank rows of checkpoint step {step} at {where} have shapes "
+                f"{entry['residual_shapes']}, those of opt_state_like {shapes}: the leaves "
+                "skipped differ (selective or min_size changed, or other params). Build "
+                "skip_reduce with the selective and min_size of the run that saved it.")
 
 
-def restore(
-    directory: str | os.PathLike[str],
-    *,
-    params_like: PyTree,
-    opt_state_like: PyTree,
-    step: int | None = None,
-) -> tuple[int, Any, Any]:
+def restore(directory: str | os.PathLike[str], *, params_like: PyTree, opt_state_like: PyTree,
+            step: int | None = None) -> tuple[int, Any, Any]:
     """Reads a checkpoint written by :func:`save`.
 
     Each restored array gets the shape, dtype and sharding of the matching
-    leaf of ``params_like`` / ``opt_state_like``, and the trees keep their
-    structure (NamedTuples, ``optax.EmptyState``). Every process of a
-    multi-process run must call it, with the same arguments.
+    leaf of ``params_like`` / ``opt_state_like`` (replicated params on every
+    device, each residual row back on its own rank's device), and the trees
+    keep their structure (NamedTuples, ``optax.EmptyState``). Every process
+    of a multi-process run must call it, with the same arguments.
 
     Args:
       directory: the checkpoint directory given to :func:`save`.
@@ -395,15 +335,10 @@ def restore(
     Raises:
       FileNotFoundError: if the directory or the step does not exist, or a
         part of the step (an item) is missing.
-      ValueError: if a ``skip_reduce`` state's settings fingerprint differs
-        from the one in ``opt_state_like`` (the optimizer was built with
-        other settings), or its residuals are for another number of ranks
-        or other leaves (another ``selective``); if ``params_like`` or
-        ``opt_state_like`` has other leaves or shapes than the checkpoint
-        (each named by path; per-rank state such as ``MultiSteps``'
-        ``acc_grads`` for another number of ranks says so); if the step's
-        files are damaged (a truncated array, a settings record that is not
-        JSON).
+      ValueError: if a ``skip_reduce`` state's settings fingerprint, residual
+        rows (ranks) or residual shapes differ from ``opt_state_like``'s; if
+        ``params_like`` or ``opt_state_like`` has other leaves or shapes than
+        the checkpoint (each named by path); if the step's files are damaged.
 
     Example:
       >>> step, params, opt_state = restore(
@@ -416,22 +351,20 @@ def restore(
         if step is None:
             step = manager.latest_step()
             if step is None:
-                raise FileNotFoundError(
-                    f"no checkpoint in {os.fspath(directory)!r}.")
-        step = checks.check_int(step, "step", api="checkpoint.restore",
-                                minimum=0, allow_none=True)
+                raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}.")
+        step = checks.check_int(step, "step", api="checkpoint.restore", minimum=0,
+                                allow_none=True)
         if step not in manager.all_steps():
             raise FileNotFoundError(
                 f"no checkpoint step {step} in {os.fspath(directory)!r} "
                 f"(steps: {list(manager.all_steps())}).")
         saved = _read(manager, step, directory, "skip_reduce settings record",
                       **{_SETTINGS: ocp.args.JsonRestore()})[_SETTINGS]
-        if not isinstance(saved, dict) or not isinstance(
-                saved.get("skip_reduce"), list):
+        if not isinstance(saved, dict) or not isinstance(saved.get("skip_reduce"), list):
             raise ValueError(
-                f"restore: the skip_reduce settings record of checkpoint step "
-                f"{step} in {os.fspath(directory)!r} is damaged (no "
-                "'skip_reduce' list). Restore another step (step=...).")
+                f"restore: the skip_reduce settings record of checkpoint step {step} in "
+                f"{os.fspath(directory)!r} is damaged (no 'skip_reduce' list). Restore another "
+                "step (step=...).")
         _check_settings(saved, opt_state_like, step)
         targets = {_PARAMS: _without_empty(params_target),
                    _OPT_STATE: _without_empty(opt_target)}
@@ -443,23 +376,19 @@ def restore(
         for item, tree in stored.items():
             if tree is None:
                 raise FileNotFoundError(
-                    f"restore: checkpoint step {step} in "
-                    f"{os.fspath(directory)!r} has no {item} arrays: a part of "
-                    "it was deleted or never written. Restore another step "
-                    "(step=...).")
+                    f"restore: checkpoint step {step} in {os.fspath(directory)!r} has no "
+                    f"{item} arrays: a part of it was deleted or never written. Restore "
+                    "another step (step=...).")
         ranks = {tuple(map(_key_name, path)): field for path, field in
-                 jax.tree_util.tree_flatten_with_path(
-                     per_rank_names(opt_state_like))[0] if field}
+                 jax.tree_util.tree_flatten_with_path(per_rank_names(opt_state_like))[0]
+                 if field}
         _check_arrays(stored[_PARAMS], targets[_PARAMS], "params_like", step, {},
-                      "Pass params_like built like the params of the run that "
-                      "saved it (the same model and shapes).")
-        _check_arrays(stored[_OPT_STATE], targets[_OPT_STATE], "opt_state_like",
-                      step, ranks,
-                      "Build opt_state_like with the optimizer of the run that "
-                      "saved it (the same chain, MultiSteps and settings), "
-                      "with skipreduce_jax.init_opt_state.")
+                      "Pass params_like built like the params of the run that saved it (the "
+                      "same model and shapes).")
+        _check_arrays(stored[_OPT_STATE], targets[_OPT_STATE], "opt_state_like", step, ranks,
+                      "Build opt_state_like with the optimizer of the run that saved it (the "
+                      "same chain, MultiSteps and settings), with skipreduce_jax.init_opt_state.")
         restored = _read(manager, step, directory, "arrays", **{
-            item: ocp.args.StandardRestore(target)
-            for item, target in targets.items()})
+            item: ocp.args.StandardRestore(target) for item, target in targets.items()})
     return (step, _with_empty(restored[_PARAMS], params_target),
             _with_empty(restored[_OPT_STATE], opt_target))

@@ -2,40 +2,13 @@
 
 :func:`initialize` connects this process to the others of a multi-process
 job, then JAX sees the devices of all processes (``jax.devices()``) and
-collectives inside ``jax.shard_map`` cross process boundaries. It knows three
-situations:
-
-1. **Started by** ``python -m skipreduce_jax.launch`` (the environment holds
-   :data:`ENV_COORDINATOR` and friends): the CPU backend gets
-   ``SKIPREDUCE_LOCAL_DEVICES`` devices per process, and
-   ``jax.distributed.initialize`` is called with the launcher's coordinator
-   address, process count and id, plus the bounded timeouts of
-   :data:`LAUNCHER_DEFAULTS` so that a dead peer is noticed in seconds, not
-   minutes. Cross-process CPU collectives use gloo over TCP (the default of
-   ``jax_cpu_collectives_implementation`` in jax 0.10). Two more things
-   happen, so that a failure ends the job quickly: an uncaught exception
-   prints its traceback and ends the process at once with exit status 1
-   (skipping JAX's exit-time shutdown barrier, which would wait up to
-   ``shutdown_timeout_seconds`` for the other processes; ``sys.exit(1)``
-   still goes through it), and on Linux the process is killed when the
-   launcher dies.
-2. **A cluster JAX knows** (SLURM, Open MPI, Cloud TPU, Kubernetes, or
-   ``JAX_COORDINATOR_ADDRESS`` set), or any keyword argument given: plain
-   ``jax.distributed.initialize(**kwargs)``, which detects the rest itself.
-3. **Nothing of the above** (a plain ``python script.py``): nothing is
-   initialised and the script runs as a single process with its local
-   devices; ``jax.process_count()`` is 1. This keeps scripts written for the
-   launcher runnable on their own.
-
-Example:
-    >>> from skipreduce_jax.distributed import initialize, process_info
-    >>> initialize()  # doctest: +SKIP
-    >>> process_info()  # doctest: +SKIP
-    ProcessInfo(process_index=0, process_count=2, local_device_count=2)
+collectives inside ``jax.shard_map`` cross process boundaries; a script
+written for the launcher also runs on its own, as a single process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -46,19 +19,9 @@ from types import TracebackType
 from typing import Any, Final, NamedTuple
 
 __all__ = [
-    "ENV_COORDINATOR",
-    "ENV_GLOO_INTERFACE",
-    "ENV_LAUNCHER_PID",
-    "ENV_LOCAL_DEVICES",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "LAUNCHER_DEFAULTS",
-    "ProcessInfo",
-    "cluster_detected",
-    "gloo_interface_in_use",
-    "initialize",
-    "launcher_env_present",
-    "process_info",
+    "ENV_COORDINATOR", "ENV_GLOO_INTERFACE", "ENV_LAUNCHER_PID", "ENV_LOCAL_DEVICES",
+    "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "LAUNCHER_DEFAULTS", "ProcessInfo", "cluster_detected",
+    "gloo_interface_in_use", "initialize", "launcher_env_present", "process_info",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,25 +41,18 @@ ENV_LAUNCHER_PID: Final = "SKIPREDUCE_LAUNCHER_PID"
 
 _LAUNCHER_VARS: Final = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES)
 
-#: Keyword arguments of ``jax.distributed.initialize`` used for launcher-started
+#: Keyword arguments of ``jax.distributed.initialize`` for launcher-started
 #: processes, unless overridden by ``initialize(**kwargs)``. JAX's own defaults
-#: (300 s to connect, 100 s heartbeat, 300 s shutdown barrier) are sized for
-#: large clusters; all launcher processes run on one machine, so:
+#: are sized for large clusters; the launcher's processes share one machine:
 #:
 #: * ``initialization_timeout=120``: every process must have connected to the
-#:   coordinator within 2 minutes (generous for many processes importing JAX on
-#:   few cores).
+#:   coordinator within 2 minutes (many processes importing JAX on few cores).
 #: * ``heartbeat_timeout_seconds=20``: a process that stops sending heartbeats
-#:   (crashed, killed, hung in C++) is declared dead after 20 s, and the
-#:   coordination service then fails the others.
-#: * ``shutdown_timeout_seconds=300`` (JAX's default): at exit, a process
-#:   waits for the others at the shutdown barrier, and the coordination
-#:   service aborts every process still running when it runs out; processes
-#:   of a clean job may thus finish up to 5 minutes apart (e.g. process 0
-#:   writing a report). A process that fails by an uncaught exception does
-#:   not wait there: it ends at once (below) and the launcher ends the
-#:   others. One that calls ``sys.exit(code)`` (argparse errors included)
-#:   does wait, up to this timeout if the others keep running.
+#:   (crashed, killed, hung in C++) is declared dead after 20 s; the others fail.
+#: * ``shutdown_timeout_seconds=300`` (JAX's default): at exit a process waits
+#:   for the others at the shutdown barrier, so processes of a clean job may
+#:   finish up to 5 minutes apart. A process that calls ``sys.exit(code)``
+#:   waits there too; one that fails by an uncaught exception ends at once.
 LAUNCHER_DEFAULTS: Final[Mapping[str, int]] = {
     "initialization_timeout": 120,
     "heartbeat_timeout_seconds": 20,
@@ -147,23 +103,32 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
 
     Call it once, first thing, before any other JAX use (``jax.devices()``,
     creating arrays, jitting): JAX fixes its device list when the backend
-    starts. Which of the three situations of the module docstring applies is
-    decided from the environment; see there. A second call is a no-op.
+    starts. A second call is a no-op. What it does depends on the environment:
+
+    1. **Started by** ``python -m skipreduce_jax.launch`` (:data:`ENV_COORDINATOR`
+       and friends set): :data:`ENV_LOCAL_DEVICES` CPU devices, gloo
+       collectives over TCP, and ``jax.distributed.initialize`` with the
+       launcher's coordinator, process count and id and the timeouts of
+       :data:`LAUNCHER_DEFAULTS`. An uncaught exception ends the process at
+       once with status 1 (past JAX's exit-time shutdown barrier, at which
+       ``sys.exit(1)`` still waits), and on Linux it dies with the launcher.
+    2. **A cluster JAX knows** (SLURM, Open MPI, Cloud TPU, Kubernetes, or
+       ``JAX_COORDINATOR_ADDRESS`` set), or any keyword argument given: plain
+       ``jax.distributed.initialize(**kwargs)``, which detects the rest itself.
+    3. **Nothing of the above**: nothing is initialised and the script runs as
+       a single process with its local devices (``jax.process_count()`` is 1).
 
     Args:
-        gloo_interface: Network interface (``"eth0"``, ``"lo"``, ...) that the
-            gloo CPU collectives bind to. By default gloo binds to the address
-            the host name resolves to, which on many machines is 127.0.0.1,
-            so that processes on other hosts cannot reach it. ``None`` reads
-            :data:`ENV_GLOO_INTERFACE`; if that is unset too, gloo keeps its
-            default. It is checked (it must exist and, on Linux, have an
-            address) even when no multi-process runtime is started, where
-            it is then not used.
+        gloo_interface: Network interface (``"eth0"``, ``"lo"``, ...) the gloo
+            CPU collectives bind to, instead of the address the host name
+            resolves to (often 127.0.0.1, unreachable from other hosts).
+            ``None`` reads :data:`ENV_GLOO_INTERFACE`; if that is unset too,
+            gloo keeps its default. Checked (it must exist and, on Linux, have
+            an address) even where no multi-process runtime is started.
         **kwargs: Passed to ``jax.distributed.initialize``. Under the launcher
-            they override the launcher's values and :data:`LAUNCHER_DEFAULTS`
-            (e.g. ``heartbeat_timeout_seconds=60``); otherwise, any keyword
-            given forces ``jax.distributed.initialize(**kwargs)`` even when no
-            cluster is detected.
+            they override its values and :data:`LAUNCHER_DEFAULTS` (e.g.
+            ``heartbeat_timeout_seconds=60``); otherwise any keyword forces the
+            call even when no cluster is detected.
 
     Raises:
         ValueError: If ``gloo_interface`` names no interface of this host (or
@@ -191,31 +156,27 @@ def initialize(*, gloo_interface: str | None = None, **kwargs: Any) -> None:
     import jax
     from jax._src import xla_bridge
 
-    if launcher_env_present():
-        settings = _launcher_settings(os.environ)
-        _check_backend_not_started(xla_bridge)
+    launched = launcher_env_present()
+    if not (launched or kwargs or cluster_detected()):
+        logger.info("No launcher environment (%s) and no cluster detected: running as a "
+                    "single process.", ENV_COORDINATOR)
+        _initialized = True
+        return
+    settings = _launcher_settings(os.environ) if launched else {}
+    _check_backend_not_started(xla_bridge)
+    if launched:
         _exit_on_uncaught_exception()
         _die_with_launcher(os.environ.get(ENV_LAUNCHER_PID))
         jax.config.update("jax_num_cpu_devices", settings.pop("local_devices"))
         if jax.config.jax_cpu_collectives_implementation is None:  # not so in jax 0.10
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if interface is not None:
-            _install_gloo_interface(interface)
         if "coordinator_address" in kwargs:
             # Bind where the caller's coordinator is, not where ours was.
             settings.pop("coordinator_bind_address", None)
-        init_kwargs: dict[str, Any] = {**LAUNCHER_DEFAULTS, **settings, **kwargs}
-        jax.distributed.initialize(**init_kwargs)
-    elif kwargs or cluster_detected():
-        _check_backend_not_started(xla_bridge)
-        if interface is not None:
-            _install_gloo_interface(interface)
-        jax.distributed.initialize(**kwargs)
-    else:
-        logger.info(
-            "No launcher environment (%s) and no cluster detected: running as a single process.",
-            ENV_COORDINATOR,
-        )
+        kwargs = {**LAUNCHER_DEFAULTS, **settings, **kwargs}
+    if interface is not None:
+        _install_gloo_interface(interface)
+    jax.distributed.initialize(**kwargs)
     _initialized = True
 
 
@@ -247,10 +208,6 @@ def gloo_interface_in_use() -> str | None:
     return _gloo_bound_interface
 
 
-# --------------------------------------------------------------------------
-# Helpers.
-
-
 def _launcher_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """Reads the launcher variables into ``jax.distributed.initialize`` kwargs."""
     missing = [name for name in _LAUNCHER_VARS if not environ.get(name)]
@@ -258,8 +215,7 @@ def _launcher_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         raise ValueError(
             f"{ENV_COORDINATOR} is set but {', '.join(missing)} is not: start the script "
             "with `python -m skipreduce_jax.launch -n P SCRIPT`, or unset "
-            f"{ENV_COORDINATOR} to run it as a single process."
-        )
+            f"{ENV_COORDINATOR} to run it as a single process.")
 
     def as_int(name: str, low: int) -> int:
         raw = environ[name]
@@ -278,10 +234,8 @@ def _launcher_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     num_processes = as_int(ENV_NUM_PROCESSES, 1)
     process_id = as_int(ENV_PROCESS_ID, 0)
     if process_id >= num_processes:
-        raise ValueError(
-            f"{ENV_PROCESS_ID}={process_id} must be smaller than "
-            f"{ENV_NUM_PROCESSES}={num_processes}."
-        )
+        raise ValueError(f"{ENV_PROCESS_ID}={process_id} must be smaller than "
+                         f"{ENV_NUM_PROCESSES}={num_processes}.")
     settings: dict[str, Any] = {
         "coordinator_address": coordinator,
         "num_processes": num_processes,
@@ -313,8 +267,7 @@ def cluster_detected() -> bool:
 
         cluster_types = list(clusters.ClusterEnv._cluster_types)
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions
-        # The jax internals moved: fall back to the environment variables the
-        # detectors of jax 0.10 look at.
+        # The variables jax 0.10's detectors look at.
         markers = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST")
         return any(name in os.environ for name in markers)
     for cluster in cluster_types:
@@ -329,14 +282,10 @@ def cluster_detected() -> bool:
 
 
 def _exit_on_uncaught_exception() -> None:
-    """Makes an uncaught exception end this process at once, with status 1.
+    """Makes an uncaught exception print its traceback and end the process with status 1.
 
-    At exit JAX waits at a shutdown barrier until every process got there or
-    ``shutdown_timeout_seconds`` passed; a process that failed would sit
-    there while the others keep running (or hang in a collective), and then
-    all abort with confusing coordination-service errors. Instead, print the
-    traceback as usual and leave with ``os._exit``, so that the launcher sees
-    the failure and ends the other processes.
+    At once, past JAX's exit-time shutdown barrier (where a failed process would wait
+    while the others run on), so that the launcher sees the failure and ends the others.
     """
     previous = sys.excepthook
 
@@ -347,11 +296,9 @@ def _exit_on_uncaught_exception() -> None:
             previous(exc_type, exc, tb)
         finally:
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     if stream is not None:
                         stream.flush()
-                except (OSError, ValueError):
-                    pass
             interrupted = issubclass(exc_type, KeyboardInterrupt)
             os._exit(128 + signal.SIGINT if interrupted else 1)
 
@@ -361,11 +308,7 @@ def _exit_on_uncaught_exception() -> None:
 def _die_with_launcher(launcher_pid: str | None) -> None:
     """On Linux, has the kernel SIGKILL this process when the launcher dies.
 
-    The launcher ends its processes itself when it fails or is signalled;
-    this covers it being killed with SIGKILL. If the launcher is already
-    gone (this process's parent is no longer it), the job is over: exit at
-    once, before joining a coordinator that may still run in process 0.
-    Does nothing off Linux or if ``prctl`` is unavailable.
+    Exits at once if the launcher is already gone (it is no longer the parent).
     """
     if not sys.platform.startswith("linux") or not launcher_pid or not launcher_pid.isdigit():
         return
@@ -382,10 +325,7 @@ def _die_with_launcher(launcher_pid: str | None) -> None:
             f"skipreduce_jax.initialize: the launcher (pid {launcher_pid}) is gone, or this "
             f"process was not started by it (parent pid {os.getppid()}); exiting. Start the "
             "script with `python -m skipreduce_jax.launch`, or unset the SKIPREDUCE_* "
-            "variables to run it on its own.",
-            file=sys.stderr,
-            flush=True,
-        )
+            "variables to run it on its own.", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -394,8 +334,7 @@ def _check_backend_not_started(xla_bridge: Any) -> None:
         raise RuntimeError(
             "skipreduce_jax.distributed.initialize() was called after the JAX backend started. "
             "Call it first thing in the script, before jax.devices(), creating arrays or jitting "
-            "(also check that no module imported before it does so at import time)."
-        )
+            "(also check that no module imported before it does so at import time).")
 
 
 def _check_interface(interface: str, *, from_env: bool) -> None:
@@ -408,13 +347,11 @@ def _check_interface(interface: str, *, from_env: bool) -> None:
         raise ValueError(
             f"{source}={interface!r} is not a network interface of this host; "
             f"available: {', '.join(names) or '(none)'}. Pass one of these, or leave "
-            f"gloo_interface and {ENV_GLOO_INTERFACE} unset to keep gloo's default."
-        )
+            f"gloo_interface and {ENV_GLOO_INTERFACE} unset to keep gloo's default.")
     if _interface_has_address(interface) is False:
         raise ValueError(
             f"{source}={interface!r} has no IPv4 or IPv6 address (is it up and "
-            "configured?): gloo binds to an address of the interface."
-        )
+            "configured?): gloo binds to an address of the interface.")
 
 
 def _interface_has_address(interface: str) -> bool | None:
@@ -441,23 +378,12 @@ def _interface_has_address(interface: str) -> bool | None:
 def _install_gloo_interface(interface: str) -> None:
     """Makes the CPU backend build its gloo collectives bound to ``interface``.
 
-    JAX offers no option for this: ``jax._src.xla_bridge.make_cpu_client``
-    calls ``_jax.make_gloo_tcp_collectives(distributed_client=...)`` without
-    its ``interface=`` argument (gloo then binds to the address the host name
-    resolves to). But ``make_cpu_client`` accepts ready-made ``collectives``,
-    and backends are created from a registry of factories, so the ``"cpu"``
-    factory is re-registered (same priority and failure mode) as one that
-    builds the gloo collectives with ``interface=`` and passes them in.
-    Nothing else of JAX changes. Call it before the backend starts; the
-    factory reads the distributed client when the backend is created.
-
-    The internals used were checked against jax/jaxlib 0.10.2. If they are
-    not as expected, this raises instead of guessing.
-
-    Raises:
-        RuntimeError: If the installed JAX lacks the internals used, the
-            ``"cpu"`` factory was already replaced, or the CPU collectives
-            are not gloo.
+    JAX's ``make_cpu_client`` builds gloo without ``interface=`` but accepts
+    ready-made ``collectives``: the ``"cpu"`` backend factory is re-registered
+    (same priority and failure mode) as one that builds them with it. Call it
+    before the backend starts. Raises RuntimeError if the JAX internals used
+    (as of jax 0.10.2) differ, the ``"cpu"`` factory was already replaced, or
+    the CPU collectives are not gloo.
     """
     import inspect
 
@@ -469,22 +395,18 @@ def _install_gloo_interface(interface: str) -> None:
     registration = getattr(xla_bridge, "_backend_factories", {}).get("cpu")
     make_cpu_client = getattr(xla_bridge, "make_cpu_client", None)
     make_gloo = getattr(_jax, "make_gloo_tcp_collectives", None)
-    gloo_signature = str(getattr(make_gloo, "__nb_signature__", "")) + str(
-        getattr(make_gloo, "__doc__", "")
-    )
+    gloo_signature = f"{getattr(make_gloo, '__nb_signature__', '')}{make_gloo.__doc__}"
     problems = []
     if not callable(getattr(xla_bridge, "register_backend_factory", None)):
         problems.append("no jax._src.xla_bridge.register_backend_factory")
     params = inspect.signature(make_cpu_client).parameters if callable(make_cpu_client) else {}
     if "collectives" not in params:
         problems.append("jax._src.xla_bridge.make_cpu_client has no collectives= argument")
-    if registration is None or not all(
-        hasattr(registration, field) for field in ("factory", "priority", "fail_quietly")
-    ):
+    fields = ("factory", "priority", "fail_quietly")
+    if registration is None or not all(hasattr(registration, field) for field in fields):
         problems.append("no 'cpu' entry in jax._src.xla_bridge._backend_factories")
-    elif registration.factory is not make_cpu_client and not hasattr(
-        registration.factory, "skipreduce_gloo_interface"
-    ):
+    elif (registration.factory is not make_cpu_client
+          and not hasattr(registration.factory, "skipreduce_gloo_interface")):
         problems.append("the 'cpu' backend factory is no longer jax's make_cpu_client")
     if make_gloo is None or "interface" not in gloo_signature:
         problems.append("jaxlib's make_gloo_tcp_collectives has no interface= argument")
@@ -495,13 +417,11 @@ def _install_gloo_interface(interface: str) -> None:
             f"gloo_interface={interface!r} is not supported with jax {jax.__version__} "
             f"(written for jax 0.10.2): {'; '.join(problems)}. Leave gloo_interface and "
             f"{ENV_GLOO_INTERFACE} unset, and make the host name resolve to the address of the "
-            "interface instead."
-        )
+            "interface instead.")
     if jax.config.jax_cpu_collectives_implementation != "gloo":
         raise RuntimeError(
             f"gloo_interface={interface!r} needs jax_cpu_collectives_implementation='gloo', "
-            f"but it is {jax.config.jax_cpu_collectives_implementation!r}. Unset one of the two."
-        )
+            f"but it is {jax.config.jax_cpu_collectives_implementation!r}. Unset one of the two.")
 
     def make_cpu_client_on_interface() -> Any:
         global _gloo_bound_interface
@@ -515,10 +435,7 @@ def _install_gloo_interface(interface: str) -> None:
 
     make_cpu_client_on_interface.skipreduce_gloo_interface = interface  # type: ignore[attr-defined]
 
-    xla_bridge.register_backend_factory(
-        "cpu",
-        make_cpu_client_on_interface,
-        priority=registration.priority,
-        fail_quietly=registration.fail_quietly,
-    )
+    xla_bridge.register_backend_factory("cpu", make_cpu_client_on_interface,
+                                        priority=registration.priority,
+                                        fail_quietly=registration.fail_quietly)
     logger.info("gloo CPU collectives will bind to interface %s", interface)

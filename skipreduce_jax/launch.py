@@ -4,20 +4,16 @@ Usage::
 
     python -m skipreduce_jax.launch -n 2 --devices-per-process 2 train.py --lr 0.1
 
-starts ``sys.executable train.py --lr 0.1`` twice. Each process finds in its
-environment where the coordinator is and who it is (see
-:mod:`skipreduce_jax.distributed`), and the script starts with::
-
-    from skipreduce_jax.distributed import initialize
-    initialize()
-
-Every line a process writes (stdout and stderr) is forwarded to the
-launcher's stdout, prefixed with ``[p<id>] ``.
+starts ``sys.executable train.py --lr 0.1`` twice; the script calls
+:func:`skipreduce_jax.distributed.initialize` first, which finds in the
+environment where the coordinator is and who this process is. Every line a
+process writes (stdout and stderr) is forwarded to the launcher's stdout,
+prefixed with ``[p<id>] ``.
 
 The launcher exits with 0 when all processes exit with 0. As soon as one
 process fails, or ``--timeout`` passes, it ends all of them (SIGTERM to each
-process group, then SIGKILL after :data:`KILL_GRACE_SECONDS`: JAX catches
-SIGTERM), reports on stderr which process failed and why, and exits with
+process group, then SIGKILL after :data:`KILL_GRACE_SECONDS`), reports on
+stderr which process failed and why, and exits with
 
 * the exit code of the first process that failed (the first to end with a
   non-zero status; the others that failed after it are listed),
@@ -26,11 +22,9 @@ SIGTERM), reports on stderr which process failed and why, and exits with
 * ``128 + N`` when the launcher itself got SIGINT, SIGTERM or SIGHUP (N),
 * :data:`EXIT_USAGE` (2) for bad arguments; then nothing is started.
 
-Each process runs in its own session, so that ending it ends everything it
-started too; what a process leaves running is killed when the job ends,
-also after a clean exit. On Linux, :func:`skipreduce_jax.distributed.initialize`
-has the process killed by the kernel when the launcher dies (even by
-SIGKILL), and a process that reaches it after the launcher died exits there.
+Each process runs in its own session: what it leaves running is killed
+when the job ends, also after a clean exit. On Linux, the processes die
+with the launcher (see :func:`skipreduce_jax.distributed.initialize`).
 
 Environment of each process (besides the launcher's own): the
 ``SKIPREDUCE_*`` variables of :mod:`skipreduce_jax.distributed` (gloo on
@@ -39,10 +33,8 @@ the loopback interface unless ``SKIPREDUCE_GLOO_INTERFACE`` is set),
 localhost added to ``no_proxy``/``NO_PROXY`` when a proxy is set, and
 ``PYTHONUNBUFFERED=1``.
 
-All processes run on this machine (the coordinator listens on 127.0.0.1).
 On a real cluster, start one process per host with the cluster's own tools
-(SLURM, Open MPI, Kubernetes) and call
-:func:`skipreduce_jax.distributed.initialize` without the launcher.
+(SLURM, Open MPI, Kubernetes) and call ``initialize`` without the launcher.
 """
 
 from __future__ import annotations
@@ -70,15 +62,8 @@ from skipreduce_jax.distributed import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
-    "EXIT_TIMEOUT",
-    "EXIT_USAGE",
-    "KILL_GRACE_SECONDS",
-    "MAX_TOTAL_DEVICES",
-    "PROCESSES_PER_CPU",
-    "LaunchError",
-    "launch",
-    "main",
+    "DEFAULT_TIMEOUT", "EXIT_TIMEOUT", "EXIT_USAGE", "KILL_GRACE_SECONDS", "MAX_TOTAL_DEVICES",
+    "PROCESSES_PER_CPU", "LaunchError", "launch", "main",
 ]
 
 PROG: Final = "python -m skipreduce_jax.launch"
@@ -97,21 +82,13 @@ class LaunchError(ValueError):
     """Bad launcher arguments (nothing was started)."""
 
 
-def launch(
-    script: str | os.PathLike[str],
-    args: Sequence[str] = (),
-    *,
-    num_processes: int,
-    devices_per_process: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    port: int | None = None,
-    env: Mapping[str, str] | None = None,
-) -> int:
+def launch(script: str | os.PathLike[str], args: Sequence[str] = (), *, num_processes: int,
+           devices_per_process: int = 1, timeout: float | None = DEFAULT_TIMEOUT,
+           port: int | None = None, env: Mapping[str, str] | None = None) -> int:
     """Runs ``num_processes`` copies of a Python script as one JAX job.
 
-    Blocks until all processes ended; their output goes to ``sys.stdout``
-    line by line, prefixed with ``[p<id>] ``, and a failure report to
-    ``sys.stderr``. See the module docstring for the exit statuses.
+    Blocks until all processes ended; output, failure report and exit
+    statuses as described in the module docstring.
 
     Args:
         script: Path of the Python script each process runs.
@@ -192,68 +169,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status of :func:`launch`, or :data:`EXIT_USAGE` if the
         arguments are invalid.
-
-    Example:
-        >>> main(["-n", "2", "train.py"])  # doctest: +SKIP
-        0
     """
-    parser = _parser()
-    ns = parser.parse_args(argv)
+    ns = _parser().parse_args(argv)
     try:
-        return launch(
-            ns.script,
-            ns.script_args,
-            num_processes=ns.num_processes,
-            devices_per_process=ns.devices_per_process,
-            timeout=ns.timeout if ns.timeout > 0 else None,
-            port=ns.port,
-        )
+        return launch(ns.script, ns.script_args, num_processes=ns.num_processes,
+                      devices_per_process=ns.devices_per_process,
+                      timeout=ns.timeout if ns.timeout > 0 else None, port=ns.port)
     except LaunchError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
 
 
-# --------------------------------------------------------------------------
-# Arguments.
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Run SCRIPT in P processes on this machine as one multi-process JAX job. "
-        "The script calls skipreduce_jax.distributed.initialize() first.",
-    )
-    parser.add_argument(
-        "-n",
-        "--num-processes",
-        type=int,
-        required=True,
-        metavar="P",
-        help=f"number of processes (>= 1, <= {PROCESSES_PER_CPU} per CPU core)",
-    )
-    parser.add_argument(
-        "-d",
-        "--devices-per-process",
-        type=int,
-        default=1,
-        metavar="D",
-        help=f"CPU devices per process (>= 1; P*D <= {MAX_TOTAL_DEVICES}; default 1)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=_timeout_arg,
-        default=DEFAULT_TIMEOUT,
-        metavar="S",
-        help=f"end all processes after S seconds and exit {EXIT_TIMEOUT} "
-        f"(default {DEFAULT_TIMEOUT:g}; 0: no limit)",
-    )
-    parser.add_argument(
-        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
-    )
+        prog=PROG, description="Run SCRIPT in P processes on this machine as one multi-process "
+        "JAX job. The script calls skipreduce_jax.distributed.initialize() first.")
+    parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="P",
+                        help=f"number of processes (>= 1, <= {PROCESSES_PER_CPU} per CPU core)")
+    parser.add_argument("-d", "--devices-per-process", type=int, default=1, metavar="D",
+                        help=f"CPU devices per process (>= 1; P*D <= {MAX_TOTAL_DEVICES}; "
+                        "default 1)")
+    parser.add_argument("--timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT, metavar="S",
+                        help=f"end all processes after S seconds and exit {EXIT_TIMEOUT} "
+                        f"(default {DEFAULT_TIMEOUT:g}; 0: no limit)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("script", metavar="SCRIPT", help="Python script each process runs")
-    parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
-    )
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for SCRIPT")
     return parser
 
 
@@ -270,13 +213,8 @@ def _timeout_arg(text: str) -> float:
     return seconds
 
 
-def _validate(
-    script: str,
-    num_processes: int,
-    devices_per_process: int,
-    timeout: float | None,
-    port: int | None,
-) -> tuple[int, int, int | None]:
+def _validate(script: str, num_processes: int, devices_per_process: int,
+              timeout: float | None, port: int | None) -> tuple[int, int, int | None]:
     """Refuses bad arguments; ``num_processes``, ``devices_per_process``, ``port`` as ints."""
     num_processes = _check_int(num_processes, "-n/--num-processes", "an integer >= 1")
     devices_per_process = _check_int(devices_per_process, "--devices-per-process",
@@ -286,20 +224,16 @@ def _validate(
         raise LaunchError(
             f"-n/--num-processes {num_processes} is more than {PROCESSES_PER_CPU} processes per "
             f"CPU core ({cpus} cores: at most {PROCESSES_PER_CPU * cpus}). Use fewer processes "
-            "and more --devices-per-process."
-        )
+            "and more --devices-per-process.")
     total = num_processes * devices_per_process
     if total > MAX_TOTAL_DEVICES:
         raise LaunchError(
             f"{num_processes} processes x {devices_per_process} devices = {total} devices is more "
             f"than the limit of {MAX_TOTAL_DEVICES}. Lower -n/--num-processes or "
-            "--devices-per-process."
-        )
+            "--devices-per-process.")
     if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
-        raise LaunchError(
-            f"--timeout must be > 0 seconds and finite (or None for no limit), got "
-            f"{timeout!r}."
-        )
+        raise LaunchError(f"--timeout must be > 0 seconds and finite (or None for no limit), "
+                          f"got {timeout!r}.")
     if port is not None:
         port = _check_int(port, "--port", "an integer in 1..65535", maximum=65535)
     if not os.path.isfile(script):
@@ -328,14 +262,10 @@ def _loopback_interface() -> str:
 def _reserve_port(port: int | None) -> socket.socket:
     """Binds, without listening, a socket to ``port`` (``None``: a free one).
 
-    The socket has SO_REUSEADDR, as the coordinator's gRPC server has, so
-    the coordinator can still bind and listen while this socket holds the
-    port, while a program that asks the kernel for a free port never gets
-    it, and a plain bind to it fails. Without the reservation the port is
-    free between being chosen here and being bound by process 0, whose
-    coordinator crashes if another program took it in between.
-    (SO_REUSEPORT is left off: with it the bind would also succeed while
-    another job's coordinator listens on the port.)
+    With SO_REUSEADDR, as the coordinator's gRPC server has: the coordinator
+    can still bind the port while this socket holds it, but no other program
+    gets it until the job ends. (Not SO_REUSEPORT: with it the bind would
+    also succeed while another job's coordinator listens on the port.)
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -345,10 +275,8 @@ def _reserve_port(port: int | None) -> socket.socket:
         sock.bind(("127.0.0.1", port or 0))
     except OSError as err:
         sock.close()
-        if err.errno == errno.EADDRINUSE:
-            reason = "already in use"
-        else:
-            reason = f"not usable ({err.strerror})"
+        in_use = err.errno == errno.EADDRINUSE
+        reason = "already in use" if in_use else f"not usable ({err.strerror})"
         raise LaunchError(
             f"--port {port} is {reason} on 127.0.0.1; nothing was started. Pass another "
             "--port, or leave --port out to use a free port."
