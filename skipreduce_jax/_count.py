@@ -19,7 +19,6 @@ from jax import lax
 from skipreduce_jax._replay import MEAN_COUNT, mark, tracing_for_replay
 from skipreduce_jax._vma import varying_axes, vma_checked
 
-# The data axes of the per-rank body being traced (None outside any).
 _AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "skipreduce_count_axes", default=None)
 
@@ -29,27 +28,22 @@ def mean_count(count: Any) -> Any:
 
     A loss that divides a sum by a count taken from its batch (tokens that
     are not padding, example weights) is exact on the global batch only if
-    it divides by the global count. Divide by ``mean_count(count)``: inside
-    :func:`value_and_grad` it is the count averaged over the ranks (the
-    global count over N), so the mean over ranks of the per-rank losses, and
-    of their gradients, is the global sum over the global count; anywhere
-    else (plain ``jax.value_and_grad``, evaluation) it is ``count`` itself.
-    In a per-rank step (:func:`data_parallel`) it is the same mean, so a
-    rank whose rows are all padding divides by the global count, not 0.
-    A count that is the same on every rank (a constant such as the global
-    batch size, ``jnp.sum(err) / mean_count(64.0)``) is already global: its
-    share per rank is ``count / N``, with the same effect.
-    The same loss then gives the same value and gradients both ways (at
-    ``num_skip=0``), padded batches included.
+    it divides by the global count: divide by ``mean_count(count)``. The mean
+    over ranks of the per-rank losses, and of their gradients, is then the
+    global sum over the global count (a rank whose rows are all padding does
+    not divide by 0), the same as plain ``jax.value_and_grad`` gives (at
+    ``num_skip=0``), padded batches included. A count the same on every rank
+    (a constant such as the global batch size, ``mean_count(64.0)``) is
+    already global: its share per rank is ``count / N``, with the same effect.
 
     Args:
       count: an array (e.g. ``jnp.sum(mask)``), computed from this rank's
         rows inside :func:`value_and_grad` or a :func:`data_parallel` step.
 
     Returns:
-      ``lax.pmean(count, data axes)`` inside :func:`value_and_grad` and the
-      library's per-rank steps (:func:`data_parallel`, :func:`make_train_step`,
-      ``skipreduce_jax.nnx``), else ``count``.
+      ``lax.pmean(count, data axes)`` inside :func:`value_and_grad` and the library's
+      per-rank steps (:func:`data_parallel`, :func:`make_train_step`, ``skipreduce_jax.nnx``),
+      else ``count``.
 
     Example:
       >>> def loss_fn(w, batch):
@@ -68,9 +62,7 @@ def mean_count(count: Any) -> Any:
     if tracing_for_replay():
         return mark(MEAN_COUNT, count)
     axes = _AXES.get()
-    if axes is None:
-        return count
-    return global_count(count, axes)
+    return count if axes is None else global_count(count, axes)
 
 
 def global_count(count: Any, axes: tuple[str, ...], varying: bool | None = None) -> Any:
@@ -90,6 +82,7 @@ def global_count(count: Any, axes: tuple[str, ...], varying: bool | None = None)
 
 @contextlib.contextmanager
 def counting_over(axes: tuple[str, ...]) -> Iterator[None]:
+    """Traces the body inside as a per-rank body over the data ``axes``."""
     token = _AXES.set(axes)
     try:
         yield

@@ -1,19 +1,12 @@
 """Replica-consistency checks: cheap collectives that catch divergence.
 
-``check_replicated(tree, axis_name)`` (inside ``shard_map``) reduces every
-leaf to two 32-bit checksums of its bit pattern (sums of a keyed hash of
-each word and its position) and compares them across the axis with one
-``pmin`` and one ``pmax`` of a vector of ``2 * num_leaves`` words. Its cost
-is one read of the tree plus two tiny all-reduces (latency only), so
-running it every few hundred steps is cheap.
-``assert_replicated(tree, mesh)`` wraps it for use outside ``shard_map``.
+:func:`check_replicated` compares two 32-bit checksums per leaf across the axis
+(one ``pmin``, one ``pmax``); :func:`assert_replicated` wraps it outside ``shard_map``.
 
-An error raised in a host callback (``skip_reduce(verify_sync=True)``'s
-check) reaches the caller wrapped in JAX's ``JaxRuntimeError: INTERNAL:
-CpuCallback error ...``, when the step's results are read.
-:func:`host_check` counts the programs traced with such a check, and
-:func:`raise_in_callback` keeps the error, so that the training steps can
-wait for those programs and raise the error as it was (:func:`callback_error`).
+An error raised in a host callback (``skip_reduce(verify_sync=True)``'s check)
+reaches the caller wrapped in a ``JaxRuntimeError``: :func:`host_check` counts the
+programs traced with such a check and :func:`raise_in_callback` keeps the error, so
+that the training steps can raise it as it was (:func:`callback_error`).
 """
 
 from __future__ import annotations
@@ -68,15 +61,9 @@ def raise_in_callback(error: Exception) -> NoReturn:
 
 
 def callback_error(wrapped: Exception) -> Exception | None:
-    """The error a host callback raised whose message ``wrapped`` carries.
+    """The error :func:`raise_in_callback` kept whose message ``wrapped`` carries.
 
-    Args:
-      wrapped: an error from running a compiled program (a
-        ``JaxRuntimeError``).
-
-    Returns:
-      The error :func:`raise_in_callback` raised, without its traceback
-      (forgotten from then on), or None if ``wrapped`` carries none.
+    Returned without its traceback and forgotten from then on; None if none.
     """
     text = str(wrapped)
     with _raised_lock:
@@ -119,9 +106,8 @@ def _checksums(leaf: jax.Array) -> jax.Array:
     """
     words = _words(leaf)
     position = jnp.arange(words.size, dtype=jnp.uint32)
-    return jnp.stack([
-        jnp.sum(mix32(words ^ mix32(position + jnp.uint32(seed))),
-                dtype=jnp.uint32) for seed in _SEEDS])
+    return jnp.stack([jnp.sum(mix32(words ^ mix32(position + jnp.uint32(seed))), dtype=jnp.uint32)
+                      for seed in _SEEDS])
 
 
 def leaf_agreement(tree: PyTree, axis_name: str | tuple[str, ...]) -> Any:
@@ -142,8 +128,7 @@ def leaf_agreement(tree: PyTree, axis_name: str | tuple[str, ...]) -> Any:
         return tree
     sums = jnp.stack([_checksums(leaf) for leaf in leaves])
     if vma_checked(axes[0]):
-        # Values typed replicated would be compared with themselves for free;
-        # cast so that the comparison really crosses the devices.
+        # Values typed replicated would be compared with themselves for free.
         sums = cast_varying(sums, axes)
     same = jnp.all(lax.pmin(sums, axes) == lax.pmax(sums, axes), axis=1)
     return jax.tree_util.tree_unflatten(treedef, list(same))
@@ -177,17 +162,14 @@ def assert_replicated(tree: PyTree, mesh: jax.sharding.Mesh,
 
     Args:
       tree: a pytree of arrays on ``mesh`` (e.g. params), replicated over the
-        axes compared; a leaf sharded over other axes is compared shard by
-        shard.
+        axes compared; a leaf sharded over other axes is compared shard by shard.
       mesh: the device mesh.
-      axis_name: the axes to compare over (default: every mesh axis no leaf
-        is sharded over).
+      axis_name: the axes to compare over (default: every mesh axis no leaf is sharded over).
 
     Raises:
       AssertionError: naming the leaves whose copies differ.
     """
-    # Each device compares its own shard: a leaf sharded over some mesh axes
-    # (FSDP, tensor parallel) is compared over the others only.
+    # Each device compares its own shard, over the axes the leaf is not sharded over.
     specs = jax.tree_util.tree_map(
         lambda x: x.sharding.spec if isinstance(
             getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh

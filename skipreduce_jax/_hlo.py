@@ -1,45 +1,20 @@
 """Communication accounting read from a compiled XLA program.
 
 ``collective_traffic(compiled_text)`` lists every collective op of the
-program (``jax.jit(f).lower(...).compile().as_text()``), how often it runs
-(while-loop trip counts multiply), and the bytes each device sends for it
-under the usual ring algorithms:
-
-=================  ==========================================
-op                 bytes sent per device
-=================  ==========================================
-collective-permute its operand
-all-gather         (g - 1) / g of its result
-reduce-scatter     (g - 1) / g of its operand
-all-reduce         2 (g - 1) / g of its operand
-all-to-all         (g - 1) / g of its operand
-=================  ==========================================
-
-where g is the size of the op's replica group (the byte formulas are those
-of :mod:`skipreduce_jax._traffic`). This is how the tests and benchmarks
-check SkipReduce's traffic against the formula.
-
-Replica groups are read in every format XLA prints:
-
-- explicit lists, ``replica_groups={{0,2,4,6},{1,3,5,7}}``; ``{}`` is every
-  device;
-- iota lists, ``replica_groups=[2,4]<=[8]`` or ``[2,4]<=[4,2]T(1,0)``:
-  2 groups of 4;
-- mesh axes, ``replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``
-  (optionally with ``, device_ids=(...)`` after the mesh, and sub-axes such
-  as ``{'axis_1':(2)2}``): the group spans the named axes (4 devices here).
-  Plain ``jax.jit`` programs over sharded inputs (GSPMD) print this form.
+program, how often it runs (while-loop trip counts multiply), and the bytes
+each device sends for it under the usual ring algorithms (``_op``, with
+the formulas of ``_traffic.py``). Replica groups are read in every format
+XLA prints: explicit lists, iota lists, and the mesh axes that plain
+``jax.jit`` programs over sharded inputs (GSPMD) print.
 
 Inside fusions, instructions of one kind with the same ``channel_id``,
-result and group size are one collective, counted once: XLA:TPU's async
-collective fusions repeat it in their start, update and done computations.
-
+result and group size are one collective, counted once (XLA:TPU's async
+collective fusions repeat it in their start, update and done computations).
 An all-reduce, all-gather or reduce-scatter with a ``channel_id`` but not
-``use_global_device_ids=true`` lists replica ids, and each of its groups
-spans every partition too. A collective whose groups are in a format not
-understood here, or whose traffic is not counted (``ragged-all-to-all``,
-``collective-broadcast``), raises ``ValueError`` naming the instruction:
-the count is never silently short.
+``use_global_device_ids=true`` lists replica ids, each group spanning every
+partition too. Groups in a format not understood, or a collective whose
+traffic is not counted (``ragged-all-to-all``, ``collective-broadcast``),
+raise ``ValueError`` naming the instruction: the count is never silently short.
 """
 
 from __future__ import annotations
@@ -51,24 +26,18 @@ from collections import defaultdict
 
 from skipreduce_jax._traffic import all_gather_bytes, reduce_scatter_bytes, ring_allreduce_bytes
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
-}
-_KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce",
-          "all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
-_CALLEE = re.compile(
-    r"\b(body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _UNCOUNTED = ("ragged-all-to-all", "collective-broadcast")
-_ANY_COLLECTIVE = re.compile(
-    r"\s(" + "|".join(_KINDS + _UNCOUNTED) + r")(?:-start)?\(")
+_ANY_COLLECTIVE = re.compile(r"\s(" + "|".join(_KINDS + _UNCOUNTED) + r")(?:-start)?\(")
 _INTS = r"\d+(?:,\d+)*"
 _LIST = re.compile(rf"\{{((?:\{{(?:{_INTS})?\}})(?:,\{{(?:{_INTS})?\}})*)?\}}")
 _IOTA = re.compile(rf"\[({_INTS})\]<=\[({_INTS})\](?:T\(({_INTS})\))?")
@@ -116,8 +85,7 @@ class Traffic:
 
     def bytes_per_device(self, kind: str | None = None) -> float:
         """Bytes one device sends per call (of one kind of op, or in all)."""
-        return sum(op.bytes_per_device for op in self.ops
-                   if kind is None or op.kind == kind)
+        return sum(op.bytes_per_device for op in self.ops if kind is None or op.kind == kind)
 
     def count(self, kind: str) -> int:
         """How many ops of ``kind`` run per call."""
@@ -201,7 +169,7 @@ def _name(match: re.Match) -> str:
 
 
 def _mesh_group_size(text: str) -> int | None:
-    """Devices per group of ``mesh[axis=size,...](, device_ids=(...)) {axes}``."""
+    """Devices per group of ``mesh[a=size,...](, device_ids=(...)) {a,'b':(pre)size}``."""
     mesh = _MESH.match(text)
     if mesh is None:
         return None
@@ -262,9 +230,8 @@ def _group_size(line: str, kind: str, devices: int, partitions: int) -> int:
         sizes = {len(group) for group in listed}
         if len(sizes) > 1 or 0 in sizes or any(
                 d >= devices for group in listed for d in group):
-            raise _refuse(line, "replica_groups format not understood: groups of "
-                          "different sizes, empty, or naming devices the program "
-                          "does not have")
+            raise _refuse(line, "replica_groups format not understood: groups of different "
+                          "sizes, empty, or naming devices the program does not have")
         size = sizes.pop() if sizes else None
     else:
         mesh = _mesh_group_size(text)
@@ -282,11 +249,10 @@ def _group_size(line: str, kind: str, devices: int, partitions: int) -> int:
 
 def _op(kind: str, line: str, result: str, asynchronous: bool, count: int,
         devices: int, partitions: int):
-    # Compiled HLO prints operands without shapes, so everything is derived
-    # from the result. An async "-start" op returns (inputs..., outputs...),
-    # except all-reduce-start, which returns its outputs as all-reduce does;
-    # a combined op (several pmeans merged) returns a tuple of outputs, all
-    # of which move.
+    # Compiled HLO prints operands without shapes: everything comes from the
+    # result. An async "-start" op other than all-reduce-start returns
+    # (inputs..., outputs...); a combined op (several pmeans merged) returns
+    # a tuple of outputs, all of which move.
     arrays = _arrays(result)
     if asynchronous and kind != "all-reduce":
         # Trailing scalar context words (u32[]/s32[]) of some async ops.
@@ -295,8 +261,7 @@ def _op(kind: str, line: str, result: str, asynchronous: bool, count: int,
         arrays = arrays[len(arrays) // 2:]
     arrays = arrays or [("", ())]
     group = _group_size(line, kind, devices, partitions)
-    nbytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
-                 for dtype, shape in arrays)
+    nbytes = sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 0) for dtype, shape in arrays)
     if kind == "collective-permute":
         sent = nbytes
     elif kind == "all-reduce":
@@ -325,8 +290,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
         instruction.
 
     Example:
-      A data-parallel gradient all-reduce of 1024 f32 over 8 devices, as
-      ``jax.jit`` prints it (``jax.jit(f).lower(x).compile().as_text()``):
+      A data-parallel gradient all-reduce of 1024 f32 over 8 devices:
 
       >>> text = "\n".join([
       ...     "HloModule jit_step, num_partitions=8",
@@ -364,9 +328,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
                 raise _refuse(line, f"{kind} is not counted (its traffic is not "
                               "fixed by its shapes)")
             channel = _CHANNEL.search(line)
-            if fused and channel and kind in _KINDS:
-                # XLA:TPU's async collective fusions repeat one collective in
-                # their start, update and done computations: count it once.
+            if fused and channel and kind in _KINDS:  # counted once per fusion
                 same = (kind, channel.group(1), tuple(_arrays(result)),
                         _group_size(line, kind, devices, partitions))
                 if same in counted:
@@ -380,8 +342,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 times = int(trip.group(1)) if role == "body" and trip else 1
-                visit(callee, multiplier * times, ops, depth + 1,
-                      fused or opcode == "fusion")
+                visit(callee, multiplier * times, ops, depth + 1, fused or opcode == "fusion")
             branches = _BRANCHES.search(line)
             if branches:
                 # One branch runs: count the one that sends the most.

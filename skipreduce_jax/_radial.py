@@ -1,25 +1,13 @@
 """Exact channel components: each output channel's weights and mean input.
 
-A layer followed by a normalization with batch statistics shared over the
-data axis (BatchNorm with ``axis_name``) is invariant to each output
-channel's scale and shift. So the all-reduced gradient has no component
-along that channel's weights, and its shift part (the channel's bias
-gradient, the sum of the normalization's input gradients) is zero. Each
-rank's own gradient has both: along the weights, and the mean input patch
-times that rank's share of the zero bias gradient. Skipping leaves a
-zero-mean residue in both that nothing pulls back: the channel norms
-random-walk, each step moves the batch mean of the normalized channel, and
-the running statistics go stale. On the digits CNN of
-``benchmarks/convergence.py`` (``benchmarks/bn_noise.py``), 73% of the
-first conv's skipped error lay along its mean input (11% along a random
-direction), and 8% of the second's (1.4%).
-
-This module replaces two components per channel by their exact means (one
-small all-reduce of two floats per output channel): along the weights, and
-along the uniform direction (every fan-in element equal), which stands for
-the mean input where inputs are non-negative (pixels, ReLU outputs; cosine
-0.97-0.998 there). The result is exact for every other layer too: two more
-exact directions per channel.
+A layer before a normalization with batch statistics over the data axis
+(BatchNorm with ``axis_name``) is invariant to each output channel's scale and
+shift, so the all-reduced gradient has no component along the channel's
+weights nor along its mean input patch; skipping leaves a residue in both
+that nothing pulls back (``docs/design.md``, "Normalization layers"). This
+module replaces both components per channel by their exact means (one small
+all-reduce of two floats per output channel), the uniform direction (every
+fan-in element equal) standing for the mean input of non-negative inputs.
 """
 
 from __future__ import annotations
@@ -61,20 +49,12 @@ def channel_directions(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def exact_radial(means: Sequence[jax.Array], local: Sequence[jax.Array],
-                 params: Sequence[jax.Array], axes: tuple[str, ...]
-                 ) -> list[jax.Array]:
-    """``means`` with two components per channel made exact.
+                 params: Sequence[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
+    """The skipped ``means`` (one per kernel, ``(..., C)``) with two components per channel exact.
 
-    Args:
-      means: the skipped means, one per kernel (shape ``(..., C)``).
-      local: this rank's gradients that entered the ring, shaped alike.
-      params: the kernels themselves (the directions), shaped alike.
-      axes: the data axes the exact mean runs over.
-
-    Returns:
-      One array per kernel: ``m + sum_d (mean_r(g_r . d_c) - m . d_c) d_c``
-      per channel c, over the two orthonormal directions ``d_c`` of
-      :func:`channel_directions`.
+    Per channel c, ``m + sum_d (mean_r(g_r . d_c) - m . d_c) d_c`` over the two
+    directions ``d_c`` of :func:`channel_directions` of ``params``; ``g_r`` are
+    the ``local`` gradients that entered the ring, averaged over ``axes``.
     """
     if not means:
         return []

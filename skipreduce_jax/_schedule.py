@@ -4,31 +4,11 @@ A buffer of ``N * C * m`` elements is viewed as ``[N slots, C columns, m]``.
 The ring moves N *ring chunks*; ring chunk ``c`` carries, in column ``j``, the
 piece of slot ``(c + offsets[j]) % N``. ``offsets`` is all zeros for static
 SkipReduce and drawn from the shared key for Random SkipReduce, independently
-per column ("sub-chunk").
-
-Reduce-scatter runs ``T = N - 1 - k`` ppermute steps. At step ``t`` rank ``r``
-adds its own piece of ring chunk ``(r + T - t) % N`` to the accumulator it just
-received from rank ``r - 1``. After ``T`` steps rank ``r`` holds ring chunk
-``r`` summed over ranks ``r - T, ..., r``:
-
-        ring chunk c is summed over ranks  c, c-1, ..., c-T    (N - k ranks)
-        and drops the contributions of     c+1, ..., c+k       (k ranks, mod N)
-
-With uniform random offsets, a slot's ring chunk is uniform over ``0..N-1``,
-so every rank's contribution to every element is left out with probability
-``k / N``, while the send/receive pattern never changes. The left-out ranks of
-one element are always ``k`` neighbours on the ring; only which neighbours
-changes from key to key.
-
-Balanced Random (``phase``): the key is drawn once per *period* of
-``L = N / gcd(N, N - k)`` steps (:func:`ring_period`), and at phase ``p`` of
-the period every offset moves back by ``p (N - k)``, so each element's window
-of summed ranks moves ``N - k`` ranks on. Over the L steps every rank is then
-summed into every element exactly ``L (N - k) / N`` times (at a 50% skip
-ratio: two steps, the second summing exactly the ranks the first left out).
-Each step alone is drawn as before; what a rank's steady deviation from the
-mean puts into one step's skipped mean, the other steps of the period take
-out again (``docs/design.md``, "Balanced schedules").
+per column ("sub-chunk"). The reduce-scatter runs ``N - 1 - k`` steps, after
+which ring chunk ``c`` is summed over ranks ``c, c-1, ..., c-(N-1-k)`` and
+drops ranks ``c+1, ..., c+k`` (mod N). Balanced Random (``phase``) moves the
+windows ``N - k`` ranks on per step of a period (:func:`ring_period`). The
+derivations are in ``docs/design.md`` ("Who is summed: the schedule").
 
 Everything here is index arithmetic on tiny arrays; the ring, the error
 feedback of the optax transformation and the tests all ask this one object.
@@ -46,8 +26,7 @@ import jax.numpy as jnp
 
 from skipreduce_jax._checks import check_bool, check_int, check_real
 
-# The smallest sub-chunk the default granularity creates, and the most
-# sub-chunks per slot it uses.
+# The default granularity: the smallest sub-chunk, the most sub-chunks per slot.
 MIN_SUBCHUNK_ELEMENTS = 256
 MAX_CHUNKS_PER_RANK = 64
 
@@ -87,18 +66,13 @@ def balanced_draw(key: jax.Array, step: jax.Array | int, period: int
         ``(fold_in(key, step // period), step % period)``: pass both to
         :func:`make_schedule` (or ``skip_psum``'s ``key`` and ``phase``).
     """
-    period = check_int(period, "period", api="balanced_draw", minimum=1,
-                       type_error=ValueError)
+    period = check_int(period, "period", api="balanced_draw", minimum=1, type_error=ValueError)
     step = jnp.asarray(step, jnp.int32)
     return jax.random.fold_in(key, step // period), step % period
 
 
 def _check_phase(phase: Any, api: str, modulus: int) -> jax.Array:
-    """``phase`` modulo ``modulus`` as an int32 scalar, or a clear error.
-
-    Only the phase modulo the windows' cycle matters; reducing it first
-    keeps the products below from wrapping around int32.
-    """
+    """``phase % modulus`` as an int32 scalar (the products using it cannot wrap)."""
     if isinstance(phase, bool) or not (
             isinstance(phase, int) or (hasattr(phase, "dtype") and jnp.ndim(phase) == 0
                                        and jnp.issubdtype(phase.dtype, jnp.integer))):
@@ -111,17 +85,10 @@ def _check_phase(phase: Any, api: str, modulus: int) -> jax.Array:
 
 
 def default_chunks_per_rank(slot_elements: int) -> int:
-    """Sub-chunks per ring slot used when the caller does not choose.
+    """Sub-chunks per slot by default: one per ``MIN_SUBCHUNK_ELEMENTS`` elements.
 
-    About one per ``MIN_SUBCHUNK_ELEMENTS`` elements of the slot, at least 1
-    and at most ``MAX_CHUNKS_PER_RANK``, so that one slot's elements are not
-    left out together.
-
-    Args:
-        slot_elements: elements in one of the N ring slots.
-
-    Returns:
-        The number of independently randomized sub-chunks per slot.
+    At least 1 and at most ``MAX_CHUNKS_PER_RANK``, so that one slot's elements
+    are not left out together.
     """
     return max(1, min(MAX_CHUNKS_PER_RANK, slot_elements // MIN_SUBCHUNK_ELEMENTS))
 
@@ -136,8 +103,7 @@ class SkipSchedule:
         num_skip: k, the number of reduce-scatter steps skipped.
         chunks_per_rank: C, the sub-chunks per slot that are placed independently.
         randomized: whether ``offsets`` came from a key (False: all zero).
-        offsets: int32[C]; ring chunk ``c`` carries slot ``(c + offsets[j]) % N``
-            in column ``j``.
+        offsets: int32[C]; ring chunk ``c`` carries slot ``(c + offsets[j]) % N`` in column ``j``.
     """
 
     axis_size: int = dataclasses.field(metadata=dict(static=True))
@@ -178,27 +144,17 @@ class SkipSchedule:
     def element_mask(self, rank: jax.Array | int, size: int) -> jax.Array:
         """bool[size]: ``contributes(rank)`` expanded to a flat padded buffer.
 
-        Args:
-            rank: the rank whose contributions are asked about.
-            size: the padded buffer length, a multiple of ``N * C``.
-
-        Returns:
-            A flat mask, True where ``rank``'s element is part of the sum.
+        ``size`` is the buffer's length, a multiple of ``N * C``; True where
+        ``rank``'s element is part of the sum.
         """
         per_piece = size // (self.axis_size * self.chunks_per_rank)
         mask = self.contributes(rank)[:, :, None]
         return jnp.broadcast_to(mask, mask.shape[:2] + (per_piece,)).reshape(size)
 
 
-def make_schedule(
-        axis_size: int,
-        *,
-        num_skip: int,
-        chunks_per_rank: int = 1,
-        key: jax.Array | None = None,
-        randomize: bool = True,
-        phase: jax.Array | int = 0,
-) -> SkipSchedule:
+def make_schedule(axis_size: int, *, num_skip: int, chunks_per_rank: int = 1,
+                  key: jax.Array | None = None, randomize: bool = True,
+                  phase: jax.Array | int = 0) -> SkipSchedule:
     """Builds the schedule for one buffer.
 
     Args:
@@ -212,17 +168,13 @@ def make_schedule(
             every offset moves back by ``phase * (N - k)``, so the windows of
             summed ranks move ``N - k`` ranks per phase. 0: the key's draw.
 
-    Returns:
-        The :class:`SkipSchedule`.
-
     Example:
         >>> s = make_schedule(4, num_skip=1, key=jax.random.key(0))
         >>> s.contribution_matrix().sum(axis=0).tolist()
         [[3], [3], [3], [3]]
     """
     api = "make_schedule"
-    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1,
-                          type_error=ValueError)
+    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1, type_error=ValueError)
     chunks_per_rank = check_int(chunks_per_rank, "chunks_per_rank", api=api,
                                 minimum=1, type_error=ValueError)
     num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
@@ -233,8 +185,7 @@ def make_schedule(
     if randomized:
         if key is None:
             raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
-        offsets = jax.random.randint(
-                key, (chunks_per_rank,), 0, axis_size, dtype=jnp.int32)
+        offsets = jax.random.randint(key, (chunks_per_rank,), 0, axis_size, dtype=jnp.int32)
         offsets = (offsets - phase * (axis_size - num_skip)) % axis_size
     else:
         offsets = jnp.zeros((chunks_per_rank,), jnp.int32)
@@ -246,12 +197,11 @@ def make_schedule(
 class ScatterSchedule:
     """Who is summed into each rank's own block of a skipped reduce-scatter.
 
-    Rank ``o`` receives its block summed over itself and the ranks
-    ``o - s`` for ``s`` in ``shifts`` (mod N): ``N - 1 - k`` sends of 1/N of
-    the buffer each. Static: ``shifts = 1..N-1-k``, the ring's nearest
-    predecessors (the same k ranks are always left out). Random: a
-    key-chosen subset of ``1..N-1``, the same on every rank, so that every
-    other rank is left out of every block with probability ``k / (N - 1)``.
+    Rank ``o`` receives its block summed over itself and the ranks ``o - s`` for
+    ``s`` in ``shifts`` (mod N): ``N - 1 - k`` sends of 1/N of the buffer each.
+    Static: ``shifts = 1..N-1-k``, the nearest predecessors (the same k ranks are
+    always left out). Random: a key-chosen subset of ``1..N-1``, the same on every
+    rank, so every other rank is left out of every block with probability ``k / (N - 1)``.
 
     Attributes:
         axis_size: N, the number of ranks.
@@ -293,17 +243,13 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
             and phase p sums the ``N - 1 - k`` from place ``p (N - 1 - k)`` on
             (cyclically), so over the period each is summed equally often.
 
-    Returns:
-        The :class:`ScatterSchedule`.
-
     Example:
         >>> s = make_scatter_schedule(4, num_skip=1, randomize=False)
         >>> s.shifts.tolist(), s.contributes(0).tolist()
         ([1, 2], [True, True, True, False])
     """
     api = "make_scatter_schedule"
-    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1,
-                          type_error=ValueError)
+    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1, type_error=ValueError)
     num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
                          maximum=axis_size - 1, type_error=ValueError,
                          what=f"for axis_size={axis_size}")
@@ -322,20 +268,16 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
 
 
 def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
-    """Converts a skip ratio into a number of skipped steps.
+    """Converts a skip ratio into a number of skipped steps ``k``.
 
     The rule rounds half up: ``k = floor(skip_ratio * (n - 1) + 0.5)``, clipped
     to ``[0, n - 1]``. The ratio is read as the nearest fraction with a
-    denominator up to ``max(10**6, n - 1)``, so decimal ratios round as
-    written.
+    denominator up to ``max(10**6, n - 1)``, so decimal ratios round as written.
 
     Args:
         skip_ratio: Fraction of the ``n - 1`` reduce-scatter steps to skip, in
             ``[0, 1]``.
         n: Number of ranks, ``>= 1``.
-
-    Returns:
-        The number of skipped steps ``k``.
 
     Example:
         >>> skip_ratio_to_num_skip(0.5, 8), skip_ratio_to_num_skip(1.0, 8)
@@ -349,10 +291,8 @@ def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
     r = check_real(skip_ratio, "skip_ratio")
     if r > 1:
         raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
-    # Exact arithmetic on the ratio meant (0.7 is 7/10 and 1/6 is 1/6, not
-    # the floats next to them), so that 0.7 of 45 steps, 31.5, rounds up.
-    # Denominators up to n - 1 keep k / (n - 1) exact for any n up to ~1e8
-    # (fractions that close differ by far more than a float's error).
+    # The ratio meant (0.7 is 7/10, not the float next to it), so that 0.7 of
+    # 45 steps, 31.5, rounds up; denominators up to n - 1 keep k / (n - 1) exact.
     exact = fractions.Fraction(float(r)).limit_denominator(max(10**6, n - 1))
     k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
     return min(max(k, 0), n - 1)

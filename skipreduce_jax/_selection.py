@@ -2,8 +2,7 @@
 
 A leaf is skipped only when ``selective`` allows it and it has at least
 ``min_size`` elements; every other leaf gets a full all-reduce. The flags are
-Python bools, known at trace time, so each choice compiles to its own
-program.
+Python bools, known at trace time, so each choice compiles to its own program.
 """
 
 from __future__ import annotations
@@ -96,9 +95,8 @@ def _compile(pattern: Any) -> re.Pattern:
         return re.compile(pattern)
     except re.error as e:
         raise ValueError(
-            f"exclude: pattern {pattern!r} is not a valid regular expression "
-            f"({e}). Fix the regex, or pass re.escape(text) to match text "
-            "literally.") from None
+            f"exclude: pattern {pattern!r} is not a valid regular expression ({e}). "
+            "Fix the regex, or pass re.escape(text) to match text literally.") from None
 
 
 class _Excluded(PathSelector):
@@ -109,10 +107,8 @@ class _Excluded(PathSelector):
         super().__init__(lambda path, leaf: not any(c.search(path) for c in compiled))
 
     def __call__(self, tree: Any) -> Any:
-        paths = [jax.tree_util.keystr(p)
-                 for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-        unmatched = [c.pattern for c in self.compiled
-                     if not any(c.search(p) for p in paths)]
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+        unmatched = [c.pattern for c in self.compiled if not any(c.search(p) for p in paths)]
         if paths and unmatched:
             shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} leaves)"
                                             if len(paths) > 4 else "")
@@ -137,19 +133,11 @@ def needs_params(selective: Any) -> bool:
     return callable(selective) and not isinstance(selective, PathSelector)
 
 
-def skippable(selective: Any, min_size: int, updates: Any, params: Any
-              ) -> list[bool]:
-    """One Python bool per leaf of ``updates``: True when it may be skipped.
+def skippable(selective: Any, min_size: int, updates: Any, params: Any) -> list[bool]:
+    """One Python bool per leaf of ``updates`` (in ``tree_leaves`` order): may it be skipped.
 
-    Args:
-      selective: None (every leaf), a pytree (or prefix) of bools, a callable
-        ``params -> pytree of bools``, or a :class:`PathSelector`.
-      min_size: leaves with fewer elements are never skipped.
-      updates: the gradient tree.
-      params: passed to a callable ``selective``.
-
-    Returns:
-      A list with one bool per leaf, in ``tree_leaves`` order.
+    ``selective``: None (every leaf), a pytree (or prefix) of bools, a callable
+    of ``params``, or a :class:`PathSelector`; leaves under ``min_size`` never are.
     """
     leaves = jax.tree_util.tree_leaves(updates)
     if selective is None:
@@ -160,10 +148,10 @@ def skippable(selective: Any, min_size: int, updates: Any, params: Any
         elif callable(selective):
             if params is None:
                 raise ValueError(
-                    f"{_API}: selective is a callable of params, but update() "
-                    "got params=None. Call tx.update(grads, state, params) "
-                    "(optax.chain passes them through), or use "
-                    "skipreduce_jax.by_path(...) which needs no params.")
+                    f"{_API}: selective is a callable of params, but update() got "
+                    "params=None. Call tx.update(grads, state, params) (optax.chain "
+                    "passes them through), or use skipreduce_jax.by_path(...) which "
+                    "needs no params.")
             mask = selective(params)
         else:
             mask = selective
@@ -183,5 +171,4 @@ def skippable(selective: Any, min_size: int, updates: Any, params: Any
                     f"{_API}: selective gave {flag!r}; every entry must be a "
                     "Python bool (True: skipping allowed, False: full "
                     "all-reduce), known at trace time.")
-    return [bool(f) and math.prod(np.shape(leaf)) >= min_size
-            for f, leaf in zip(flags, leaves)]
+    return [bool(f) and math.prod(np.shape(leaf)) >= min_size for f, leaf in zip(flags, leaves)]

@@ -50,33 +50,21 @@ class CommStats(NamedTuple):
         return self.left_out_fraction
 
 
-def comm_stats(
-    grads: PyTree,
-    axis_size: int,
-    *,
-    params: PyTree = None,
-    config: SkipConfig | None = None,
-    **skip_reduce_kwargs: Any,
-) -> CommStats:
+def comm_stats(grads: PyTree, axis_size: int, *, params: PyTree = None,
+               config: SkipConfig | None = None, **skip_reduce_kwargs: Any) -> CommStats:
     """Bytes per device per step of :func:`skip_reduce` vs a full all-reduce.
 
-    Counts ring traffic (a full all-reduce sends 2(N-1)/N of the buffer per
-    device; SkipReduce (2(N-1)-k)/N of the padded buffer) once the warm-up
-    is over (the ``warmup_steps`` full all-reduces are not counted). With
-    ``inner_axis`` it counts traffic over ``axis_name`` only, on the 1/L
-    shards (pass ``inner_size=L``).
+    Counts ring traffic (SkipReduce's of the padded buffer) once the
+    ``warmup_steps`` full all-reduces are over. With ``inner_axis`` it counts
+    traffic over ``axis_name`` only, on the 1/L shards (pass ``inner_size=L``).
 
     Args:
-      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
-        gradients.
+      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the gradients.
       axis_size: N, the size of ``axis_name``.
       params: passed to a callable ``selective`` (required then).
       config: the settings as a :class:`SkipConfig` (or as keywords).
       **skip_reduce_kwargs: the arguments of :func:`skip_reduce`, and
         ``inner_size`` (L, the size of ``inner_axis``; required with it).
-
-    Returns:
-      :class:`CommStats`.
 
     Example:
       >>> grads = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
@@ -88,12 +76,10 @@ def comm_stats(
     inner = skip_reduce_kwargs.pop("inner_size", None)
     axis_name = skip_reduce_kwargs.pop("axis_name", "data")
     inner_axis = skip_reduce_kwargs.pop("inner_axis", None)
-    config = _Config.of(skip_config(config, skip_reduce_kwargs, api=api),
-                        axis_name, inner_axis)
+    config = _Config.of(skip_config(config, skip_reduce_kwargs, api=api), axis_name, inner_axis)
     for name, value in (("axis_size", axis_size),
                         ("inner_size", 1 if inner is None else inner)):
-        checks.check_int(value, name, api=api, minimum=1,
-                         type_error=ValueError)
+        checks.check_int(value, name, api=api, minimum=1, type_error=ValueError)
     if (config.inner_axis is None and inner not in (None, 1)) or (
             config.inner_axis is not None and inner is None):
         raise ValueError(
@@ -107,36 +93,26 @@ def comm_stats(
     n = int(axis_size)
     k = config.resolve_num_skip(n)
     leaves = jax.tree_util.tree_leaves(grads)
-    # With k = 0 every leaf takes the plain pmean, as in update().
-    # The params' layout is the gradients' (exact_radial=None looks for a
-    # BatchNorm in it).
+    # With k = 0 every leaf takes the plain pmean, as in update(). The params'
+    # layout is the gradients' (exact_radial=None looks for a BatchNorm in it).
     like = grads if params is None else params
     skippable = [s and k > 0 for s in config.skippable(grads, like)]
     sizes = [math.prod(np.shape(x)) for x in leaves]
-    full_bytes = sum(s * np.dtype(x.dtype).itemsize
-                     for s, x in zip(sizes, leaves)) / inner
+    full_bytes = sum(s * np.dtype(x.dtype).itemsize for s, x in zip(sizes, leaves)) / inner
     picked = [x for x, s in zip(leaves, skippable) if s]
-    plan = plan_buckets(picked, group_size=n, slot_divisor=inner,
-                        bucket_bytes=config.bucket_bytes)
-
-    def summed(dtype):
-        return summed_dtype(dtype, config.accumulate_dtype).itemsize
-
+    plan = plan_buckets(picked, group_size=n, slot_divisor=inner, bucket_bytes=config.bucket_bytes)
     for x in picked:
         checks.check_comm_width(config.comm_dtype, x.dtype, api=api)
 
     def ring_bytes(b):
-        # The reduce-scatter sends the summed dtype (or comm_dtype), the
-        # gather the leaves' own (or comm_dtype).
-        added, sent, gathered = wire_dtypes(b.dtype, config.accumulate_dtype,
-                                            config.comm_dtype)
-        return (traffic.reduce_scatter_bytes(
-                    b.padded_size * (sent or added).itemsize, n, k)
-                + traffic.all_gather_bytes(b.padded_size * gathered.itemsize, n))
+        # The reduce-scatter sends the summed dtype, the gather the leaves' (or comm_dtype).
+        added, sent, gathered = wire_dtypes(b.dtype, config.accumulate_dtype, config.comm_dtype)
+        scattered = traffic.reduce_scatter_bytes(b.padded_size * (sent or added).itemsize, n, k)
+        return scattered + traffic.all_gather_bytes(b.padded_size * gathered.itemsize, n)
 
     skip_sent = sum(ring_bytes(b) for b in plan.buckets) / inner
-    rest_bytes = sum(s * summed(x.dtype) for s, x, ok in
-                     zip(sizes, leaves, skippable) if not ok) / inner
+    rest_bytes = sum(s * summed_dtype(x.dtype, config.accumulate_dtype).itemsize
+                     for s, x, ok in zip(sizes, leaves, skippable) if not ok) / inner
     if config.radial(like):  # two float32 per output channel, all-reduced
         rest_bytes += sum(2 * 4 * np.shape(x)[-1] for x in picked) / inner
     sent = skip_sent + traffic.ring_allreduce_bytes(rest_bytes, n)

@@ -1,15 +1,9 @@
 """Bytes each device sends: the one set of traffic formulas.
 
-A ring over N ranks moves a buffer of B bytes in pieces of B / N:
-
-- reduce-scatter with k of its N - 1 steps skipped: (N - 1 - k) B / N,
-- all-gather: (N - 1) B / N,
-- all-reduce (both): (2 (N - 1) - k) B / N; k = 0 is the full ring.
-
-``comm_stats``, the cost model, the benchmarks and the byte counts of
-``skipreduce_jax.contrib`` all use these functions (the reduce-scatter and
-the gather may send different dtypes, so they are counted apart where that
-matters).
+A ring over N ranks moves a buffer of B bytes in pieces of B / N; SkipReduce
+skips k of the reduce-scatter's N - 1 steps. ``comm_stats``, the cost model,
+the benchmarks and ``skipreduce_jax.contrib`` all count with these functions
+(the reduce-scatter and the all-gather apart where they send different dtypes).
 """
 
 from __future__ import annotations
@@ -17,22 +11,18 @@ from __future__ import annotations
 from skipreduce_jax._checks import check_int, check_num_skip, check_real
 
 
-def _checked(nbytes: float, n: int, num_skip: int, n_name: str = "n"
-             ) -> tuple[float, int, int]:
+def _checked(nbytes: float, n: int, num_skip: int, n_name: str = "n") -> tuple[float, int, int]:
     n = check_int(n, n_name, minimum=1)
     k = check_num_skip(num_skip, n, n_name=n_name)
     return check_real(nbytes, "nbytes"), n, k
 
 
 def skipreduce_steps(n: int, num_skip: int = 0) -> int:
-    """Counts the sequential steps of SkipReduce (``num_skip = 0``: ring all-reduce).
+    """Sequential steps of SkipReduce, ``2 * (n - 1) - num_skip`` (0 skipped: ring all-reduce).
 
     Args:
       n: Number of ranks, ``>= 1``.
       num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
-
-    Returns:
-      ``2 * (n - 1) - num_skip``.
 
     Example:
       >>> skipreduce_steps(8), skipreduce_steps(8, 7)
@@ -43,15 +33,9 @@ def skipreduce_steps(n: int, num_skip: int = 0) -> int:
 
 
 def reduce_scatter_bytes(nbytes: float, n: int, num_skip: int = 0) -> float:
-    """Bytes each rank sends in a ring reduce-scatter that skips ``num_skip`` steps.
+    """``(n - 1 - num_skip) * nbytes / n``: a ring reduce-scatter skipping ``num_skip`` steps.
 
-    Args:
-      nbytes: Buffer size per rank in bytes (of the dtype that is sent).
-      n: Number of ranks, ``>= 1``.
-      num_skip: Skipped steps, in ``[0, n - 1]``.
-
-    Returns:
-      ``(n - 1 - num_skip) * nbytes / n``.
+    ``nbytes`` is the buffer per rank, in the dtype that is sent.
 
     Example:
       >>> reduce_scatter_bytes(800, 8, 3)
@@ -62,7 +46,7 @@ def reduce_scatter_bytes(nbytes: float, n: int, num_skip: int = 0) -> float:
 
 
 def all_gather_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring all-gather of an ``nbytes`` result.
+    """``(n - 1) * nbytes / n``: a ring all-gather of an ``nbytes`` result.
 
     Example:
       >>> all_gather_bytes(800, 8)
@@ -73,15 +57,12 @@ def all_gather_bytes(nbytes: float, n: int) -> float:
 
 
 def skipreduce_bytes(nbytes: float, n: int, num_skip: int) -> float:
-    """Bytes each rank sends in SkipReduce with ``num_skip`` skipped steps.
+    """Bytes each rank sends in SkipReduce: ``(2 * (n - 1) - num_skip) * nbytes / n``.
 
     Args:
       nbytes: Buffer size per rank in bytes, ``>= 0``.
       n: Number of ranks, ``>= 1``.
       num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
-
-    Returns:
-      ``(2 * (n - 1) - num_skip) * nbytes / n``.
 
     Example:
       >>> skipreduce_bytes(800, 8, 3)
@@ -93,14 +74,9 @@ def skipreduce_bytes(nbytes: float, n: int, num_skip: int) -> float:
 
 
 def ring_allreduce_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring all-reduce.
+    """Bytes each rank sends in a ring all-reduce: ``2 * (n - 1) / n * nbytes``.
 
-    Args:
-      nbytes: Buffer size per rank in bytes, ``>= 0``.
-      n: Number of ranks, ``>= 1``.
-
-    Returns:
-      ``2 * (n - 1) / n * nbytes``.
+    As :func:`skipreduce_bytes` with ``num_skip = 0``.
 
     Example:
       >>> ring_allreduce_bytes(800, 8)
@@ -126,9 +102,7 @@ def traffic_fraction(n: int, num_skip: int) -> float:
       0.75
     """
     steps = skipreduce_steps(n, num_skip)
-    if n == 1:
-        return 1.0
-    return steps / (2 * (n - 1))
+    return steps / (2 * (n - 1)) if n > 1 else 1.0
 
 
 def hierarchical_bytes(nbytes: float, n_outer: int, n_inner: int, num_skip: int
@@ -142,9 +116,8 @@ def hierarchical_bytes(nbytes: float, n_outer: int, n_inner: int, num_skip: int
       num_skip: Skipped outer reduce-scatter steps, in ``[0, n_outer - 1]``.
 
     Returns:
-      ``(inner_bytes, outer_bytes)``: ``2 * (L - 1) / L * nbytes`` for the
-      inner reduce-scatter plus all-gather, and
-      ``(2 * (N - 1) - num_skip) * nbytes / (L * N)`` for the outer SkipReduce.
+      ``(inner_bytes, outer_bytes)``: :func:`ring_allreduce_bytes` of ``nbytes``
+      over ``n_inner``, and :func:`skipreduce_bytes` of ``nbytes / n_inner`` over ``n_outer``.
 
     Example:
       >>> hierarchical_bytes(800, 4, 2, 0)

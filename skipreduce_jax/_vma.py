@@ -18,9 +18,7 @@ def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes over which JAX types ``x`` as varying."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def vma_checked(axis_name: str) -> bool:
@@ -38,15 +36,11 @@ def cast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def all_gather_replicated(x: jax.Array, axis_name: str, **kwargs: Any
-                          ) -> jax.Array:
-    """``lax.all_gather``, typed replicated where JAX tracks the types.
+def all_gather_replicated(x: jax.Array, axis_name: str, **kwargs: Any) -> jax.Array:
+    """``lax.all_gather``, typed replicated (as ``psum``'s result) where JAX tracks the types.
 
-    Under ``check_vma=True`` the result is typed invariant over ``axis_name``
-    (as ``psum``'s is), and its transpose takes this rank's slice of a
-    replicated cotangent. Under ``check_vma=False`` cotangents may differ per
-    rank, so the plain all-gather is used: its transpose is a reduce-scatter,
-    as ``psum``'s transpose is a ``psum`` there.
+    Under ``check_vma=False`` cotangents may differ per rank, so the plain
+    all-gather is used, whose transpose is a reduce-scatter.
     """
     if axis_name in varying_axes(x):
         return lax.all_gather(x, axis_name, to="invarying", **kwargs)
@@ -56,9 +50,8 @@ def all_gather_replicated(x: jax.Array, axis_name: str, **kwargs: Any
 def pmean_nonempty(leaves: list[jax.Array], axes: Any) -> list[jax.Array]:
     """``lax.pmean`` of each leaf; a zero-size leaf's mean is a new empty array.
 
-    XLA:CPU in jax 0.11.2 crashes compiling a program that all-reduces a
-    zero-size array beside another all-reduce, so none is emitted (the new
-    array is typed as ``pmean``'s result is).
+    XLA:CPU in jax 0.11.2 crashes compiling an all-reduce of a zero-size
+    array beside another all-reduce, so none is emitted.
     """
     reduced = set(axes if isinstance(axes, tuple) else (axes,))
 

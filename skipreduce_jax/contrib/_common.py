@@ -1,10 +1,7 @@
 """What the methods of ``skipreduce_jax.contrib`` share.
 
-:func:`full_comm_bytes`, the dense reference (a full ring all-reduce of
-every leaf) that the compressed methods are measured against; the leaf sizes
-their byte counts use (the leaves they do not compress are all-reduced in
-full); and :func:`method_settings`, which reads a method's keyword arguments
-for its byte count.
+The dense reference, :func:`full_comm_bytes`; the leaf sizes their byte counts
+use; and :func:`method_settings`, which reads a method's keyword arguments.
 """
 
 from __future__ import annotations
@@ -37,12 +34,8 @@ def full_comm_bytes(params: PyTree, n: int) -> float:
     ``2 (N - 1) / N * sum(leaf bytes)``, the plain data-parallel step.
 
     Args:
-      params: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the
-        gradients.
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct`` shaped like the gradients.
       n: N, the size of the data axis.
-
-    Returns:
-      Bytes each device sends.
 
     Example:
       >>> import jax.numpy as jnp
@@ -56,15 +49,9 @@ def full_comm_bytes(params: PyTree, n: int) -> float:
 
 def method_settings(method: Callable[..., Any], kwargs: dict[str, Any], *,
                     api: str) -> dict[str, Any]:
-    """``method``'s arguments for ``axis_name="data"`` and ``kwargs``, defaults filled.
+    """Every argument of ``method`` by name, for ``axis_name="data"`` and ``kwargs``.
 
-    Args:
-      method: the public transformation, e.g. ``topk_reduce``.
-      kwargs: the keyword arguments passed to ``api``.
-      api: the byte-count function, named first in the message.
-
-    Returns:
-      Every argument of ``method`` by name.
+    A ``TypeError`` names ``api``, the byte-count function ``kwargs`` were passed to.
     """
     try:
         args = inspect.signature(method).bind("data", **kwargs)

@@ -1,18 +1,10 @@
 """PowerSGD (rank r, error feedback, warm start), as an optax transformation.
 
-Method: each matrix M (a leaf of two or more dimensions viewed as 2-D) is
-replaced by ``P Q^T`` from one power-iteration step with a warm-started Q:
-two all-reduces of the small factors instead of one of M. What the low-rank
-approximation lost is added back to the next step's gradient.
+The method is described in :func:`powersgd_reduce`, its per-rank state (placed
+by ``state_specs`` through ``per_rank_fields``) in :class:`PowerSGDState`.
 
 Reference: Vogels, Karimireddy, Jaggi. PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization. NeurIPS 2019.
-
-Per-rank state: :class:`PowerSGDState` ``.error`` (one float32 leaf per
-compressed matrix, with a leading axis of size 1 inside ``shard_map``,
-stacked to ``[N, ...]`` and sharded along the data axis outside), declared in
-``per_rank_fields`` so that ``state_specs``, ``init_opt_state`` and
-``make_train_step`` place it. The factors ``q`` are the same on every rank.
 """
 
 from __future__ import annotations
@@ -40,15 +32,14 @@ class PowerSGDState(NamedTuple):
     """State of :func:`powersgd_reduce`.
 
     Attributes:
-      count: int32 step counter; plain all-reduce while ``count <
-        warmup_steps``.
-      q: one float32 ``[m, rank]`` factor per compressed leaf (in the order
-        of ``jax.tree_util.tree_leaves``), the warm start of the next power
-        iteration. Identical on every rank.
-      error: with ``error_feedback`` (else ``()``): one array per compressed
-        leaf, shaped like it with a leading axis of size 1 inside
-        ``shard_map``: what this rank's gradient lost to the low-rank
-        approximation, added back next step. Per rank.
+      count: int32 step counter; plain all-reduce while ``count < warmup_steps``.
+      q: one float32 ``[m, rank]`` factor per compressed leaf (in the order of
+        ``jax.tree_util.tree_leaves``), the warm start of the next power iteration.
+        Identical on every rank.
+      error: with ``error_feedback`` (else ``()``): one array per compressed leaf,
+        shaped like it with a leading axis of size 1 inside ``shard_map``: what this
+        rank's gradient lost to the low-rank approximation, added back next step.
+        Per rank.
     """
 
     count: jax.Array
@@ -78,18 +69,14 @@ class _PowerSGDConfig:
             checks.check_int(rank, "rank", api=_API, minimum=1),
             checks.check_int(warmup_steps, "warmup_steps", api=_API, minimum=0),
             checks.check_bool(error_feedback, "error_feedback", api=_API),
-            checks.check_real(min_compression_rate, "min_compression_rate",
-                              api=_API),
+            checks.check_real(min_compression_rate, "min_compression_rate", api=_API),
             checks.check_int(seed, "seed", api=_API, minimum=0))
 
     def compressed(self, leaves: list[Any]) -> list[bool]:
         """One bool per leaf: True when it is compressed to rank ``rank``."""
         flags = []
         for leaf in leaves:
-            if np.ndim(leaf) < 2:
-                flags.append(False)
-                continue
-            rows, cols = _matrix_shape(np.shape(leaf))
+            rows, cols = _matrix_shape(np.shape(leaf)) if np.ndim(leaf) >= 2 else (0, 0)
             low_rank = (rows + cols) * self.rank
             # The QR of P [rows, rank] keeps rank columns only if rows >= rank.
             flags.append(rows >= self.rank and cols >= 1 and rows * cols >=
@@ -102,20 +89,13 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def powersgd_reduce(
-    axis_name: str,
-    *,
-    rank: int = 4,
-    warmup_steps: int = 10,
-    error_feedback: bool = True,
-    min_compression_rate: float = 2.0,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+def powersgd_reduce(axis_name: str, *, rank: int = 4, warmup_steps: int = 10,
+                    error_feedback: bool = True, min_compression_rate: float = 2.0,
+                    seed: int = 0) -> optax.GradientTransformationExtraArgs:
     """PowerSGD gradient averaging (rank-r, error feedback, warm start).
 
-    A drop-in replacement for :func:`skipreduce_jax.skip_reduce`: the first
-    element of an ``optax.chain``, called inside ``jax.shard_map`` where
-    ``axis_name`` is bound, on each rank's LOCAL gradients. Each leaf of two
+    A drop-in replacement for :func:`skipreduce_jax.skip_reduce`, used as
+    :func:`topk_reduce` is (on each rank's LOCAL gradients). Each leaf of two
     or more dimensions is viewed as a matrix ``[rows, cols]`` (all leading
     axes times the last: a flax ``Dense`` kernel is ``[in, out]``) and
     compressed when ``rows * cols >= min_compression_rate * (rows + cols) *
@@ -123,13 +103,10 @@ def powersgd_reduce(
     ``lax.pmean``. Per step, for each compressed matrix, each rank:
 
     1. ``M = G + E`` (its local gradient plus its error);
-    2. ``P = M Q`` with the shared warm-start ``Q [cols, rank]``; ``P =
-       pmean(P)`` (all-reduce 1);
-    3. orthonormalizes P (reduced QR; identical input on every rank, so
-       identical output);
-    4. ``Q = M^T P``; ``Q = pmean(Q)`` (all-reduce 2);
-    5. returns ``P Q^T`` (the same on every rank), keeps ``E = M - P Q^T``
-       and Q for the next step.
+    2. ``P = pmean(M Q)`` with the shared warm-start ``Q [cols, rank]`` (all-reduce 1);
+    3. orthonormalizes P (reduced QR: the same input, so output, on every rank);
+    4. ``Q = pmean(M^T P)`` (all-reduce 2);
+    5. returns ``P Q^T`` (the same on every rank), keeps ``E = M - P Q^T`` and Q.
 
     For the first ``warmup_steps`` steps every leaf gets a plain
     ``lax.pmean`` (and E stays 0). Both paths are compiled once;
@@ -145,8 +122,7 @@ def powersgd_reduce(
       seed: seeds the initial Q (the same on every rank).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with a
-      :class:`PowerSGDState`.
+      An ``optax.GradientTransformationExtraArgs`` with a :class:`PowerSGDState`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -173,8 +149,7 @@ def powersgd_reduce(
             qs.append(jax.random.normal(jax.random.fold_in(key, i),
                                         (cols, config.rank), jnp.float32))
             if config.error_feedback:
-                errors.append(per_rank_zeros(np.shape(leaf), jnp.float32,
-                                             (axis_name,)))
+                errors.append(per_rank_zeros(np.shape(leaf), jnp.float32, (axis_name,)))
         return PowerSGDState(jnp.zeros((), jnp.int32), tuple(qs), tuple(errors))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -182,11 +157,6 @@ def powersgd_reduce(
         return _powersgd_update(config, updates, state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _orthonormalize(p: jax.Array) -> jax.Array:
-    q, _ = jnp.linalg.qr(p, mode="reduced")
-    return q
 
 
 def _powersgd_update(config: _PowerSGDConfig, updates: Any,
@@ -198,22 +168,20 @@ def _powersgd_update(config: _PowerSGDConfig, updates: Any,
     flags = config.compressed(leaves)
     if len(state.q) != sum(flags):
         raise ValueError(
-            f"{_API}: the state holds {len(state.q)} factors but the "
-            f"gradients have {sum(flags)} compressible leaves: was the state "
-            "made by tx.init on params shaped like these gradients?")
-    picked = [g for g, f in zip(leaves, flags, strict=True) if f]
+            f"{_API}: the state holds {len(state.q)} factors but the gradients have "
+            f"{sum(flags)} compressible leaves: was the state made by tx.init on params "
+            "shaped like these gradients?")
     mats = [g.astype(jnp.float32).reshape(_matrix_shape(g.shape))
-            for g in picked]
+            for g, f in zip(leaves, flags, strict=True) if f]
     if config.error_feedback:
         mats = [m + e[0].reshape(m.shape) for m, e in zip(mats, state.error, strict=True)]
 
     def full(mats, qs):
-        zeros = [jnp.zeros_like(m) for m in mats]
-        return lax.pmean(mats, axis), list(qs), zeros
+        return lax.pmean(mats, axis), list(qs), [jnp.zeros_like(m) for m in mats]
 
     def compressed(mats, qs):
         ps = lax.pmean([m @ q for m, q in zip(mats, qs, strict=True)], axis)
-        ps = [_orthonormalize(p) for p in ps]
+        ps = [jnp.linalg.qr(p, mode="reduced")[0] for p in ps]  # orthonormalized
         new_qs = lax.pmean([m.T @ p for m, p in zip(mats, ps, strict=True)], axis)
         approx = [p @ q.T for p, q in zip(ps, new_qs, strict=True)]
         return approx, new_qs, [m - a for m, a in zip(mats, approx, strict=True)]
@@ -232,8 +200,7 @@ def _powersgd_update(config: _PowerSGDConfig, updates: Any,
            else next(rest_it) for g, f in zip(leaves, flags, strict=True)]
     new_errors = state.error
     if config.error_feedback:
-        new_errors = tuple(e.reshape(old.shape) for e, old in
-                           zip(errors, state.error, strict=True))
+        new_errors = tuple(e.reshape(old.shape) for e, old in zip(errors, state.error, strict=True))
     return (jax.tree_util.tree_unflatten(treedef, out),
             PowerSGDState(state.count + 1, tuple(qs), new_errors))
 
@@ -242,21 +209,14 @@ def powersgd_comm_bytes(params: PyTree, n: int, **powersgd_kwargs: Any) -> float
     """Bytes each device sends per step of :func:`powersgd_reduce`, after warm-up.
 
     Two ring all-reduces per compressed ``[rows, cols]`` leaf, of the float32
-    factors ``P [rows, r]`` and ``Q [cols, r]``::
-
-        2 (N - 1) / N * 4 * r * (rows + cols)
-
-    plus ``2 (N - 1) / N * bytes`` for each leaf all-reduced in full. During
-    the warm-up steps it is :func:`skipreduce_jax.contrib.full_comm_bytes`
-    (with float32 leaves).
+    factors ``P [rows, r]`` and ``Q [cols, r]``: ``2 (N - 1) / N * 4 * r * (rows + cols)``,
+    plus :func:`full_comm_bytes` of the other leaves. During the warm-up steps it
+    is :func:`full_comm_bytes` (with float32 leaves).
 
     Args:
       params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
       n: N, the size of the data axis.
       **powersgd_kwargs: the keyword arguments of :func:`powersgd_reduce`.
-
-    Returns:
-      Bytes per device per step.
 
     Example:
       >>> import jax.numpy as jnp
@@ -269,10 +229,9 @@ def powersgd_comm_bytes(params: PyTree, n: int, **powersgd_kwargs: Any) -> float
     leaves = jax.tree_util.tree_leaves(params)
     sent = 0.0
     for leaf, flag in zip(leaves, config.compressed(leaves), strict=True):
-        if flag:
-            rows, cols = _matrix_shape(np.shape(leaf))
-            factor_bytes = 4 * config.rank * (rows + cols)  # float32 P and Q
-            sent += traffic.ring_allreduce_bytes(factor_bytes, n)
+        if flag:  # the float32 P [rows, r] and Q [cols, r]
+            nbytes = 4 * config.rank * sum(_matrix_shape(np.shape(leaf)))
         else:
-            sent += traffic.ring_allreduce_bytes(leaf_bytes(leaf), n)
+            nbytes = leaf_bytes(leaf)
+        sent += traffic.ring_allreduce_bytes(nbytes, n)
     return float(sent)

@@ -1,18 +1,11 @@
 """Top-k sparsification with error memory, as an optax transformation.
 
-Method: each rank adds its memory to its local gradient, keeps the
-``density`` fraction of entries of largest magnitude, all-gathers the
-(value, index) pairs, scatter-adds them into a dense sum and divides by N.
-What it did not send stays in its memory, so nothing is lost, only delayed.
+The method is described in :func:`topk_reduce`, its per-rank state (placed by
+``state_specs`` through ``per_rank_fields``) in :class:`TopKState`.
 
 Reference: Aji, Heafield. Sparse Communication for Distributed Gradient
 Descent. EMNLP 2017; Lin, Han, Mao, Wang, Dally. Deep Gradient Compression.
 ICLR 2018 (here without momentum correction).
-
-Per-rank state: :class:`TopKState` ``.memory`` (one leaf per gradient leaf,
-with a leading axis of size 1 inside ``shard_map``, stacked to ``[N, ...]``
-and sharded along the data axis outside), declared in ``per_rank_fields`` so
-that ``state_specs``, ``init_opt_state`` and ``make_train_step`` place it.
 """
 
 from __future__ import annotations
@@ -41,11 +34,10 @@ class TopKState(NamedTuple):
 
     Attributes:
       count: int32 step counter.
-      memory: with ``error_feedback`` (else ``optax.EmptyState()``): per
-        leaf, what this rank has not sent yet, added to its next gradient.
-        Each leaf has a leading axis of size 1 inside ``shard_map`` (stacked
-        to N along the data axis outside; see
-        :func:`skipreduce_jax.state_specs`).
+      memory: with ``error_feedback`` (else ``optax.EmptyState()``): per leaf, what
+        this rank has not sent yet, added to its next gradient. Each leaf has a
+        leading axis of size 1 inside ``shard_map`` (stacked to N along the data
+        axis outside; see :func:`skipreduce_jax.state_specs`).
     """
 
     count: jax.Array
@@ -71,8 +63,7 @@ class _TopKConfig:
         """Checks the arguments of :func:`topk_reduce`."""
         return cls(
             checks.check_axis_name(axis_name, api=_API),
-            checks.check_real(density, "density", api=_API, maximum=1.0,
-                              positive=True),
+            checks.check_real(density, "density", api=_API, maximum=1.0, positive=True),
             checks.check_bool(per_leaf, "per_leaf", api=_API),
             checks.check_bool(error_feedback, "error_feedback", api=_API),
             checks.check_int(min_size, "min_size", api=_API, minimum=0),
@@ -80,10 +71,8 @@ class _TopKConfig:
 
     def groups(self, leaves: list[Any]) -> tuple[list[list[int]], list[int]]:
         """Leaf indices of each sparsified group, and the dense leaves."""
-        sparse = [i for i, x in enumerate(leaves)
-                  if leaf_size(x) >= self.min_size and leaf_size(x) > 0]
-        chosen = set(sparse)
-        dense = [i for i in range(len(leaves)) if i not in chosen]
+        sparse = [i for i, x in enumerate(leaves) if leaf_size(x) >= max(self.min_size, 1)]
+        dense = sorted(set(range(len(leaves))) - set(sparse))
         if self.per_leaf:
             return [[i] for i in sparse], dense
         return ([sparse] if sparse else []), dense
@@ -102,15 +91,9 @@ def _index_dtype(index_dtype: Any) -> np.dtype:
     return dtype
 
 
-def topk_reduce(
-    axis_name: str,
-    *,
-    density: float = 0.01,
-    per_leaf: bool = True,
-    error_feedback: bool = True,
-    min_size: int = 0,
-    index_dtype: DTypeLike = jnp.int32,
-) -> optax.GradientTransformationExtraArgs:
+def topk_reduce(axis_name: str, *, density: float = 0.01, per_leaf: bool = True,
+                error_feedback: bool = True, min_size: int = 0,
+                index_dtype: DTypeLike = jnp.int32) -> optax.GradientTransformationExtraArgs:
     """Top-k sparsified gradient averaging with error memory.
 
     A drop-in replacement for :func:`skipreduce_jax.skip_reduce`: the first
@@ -120,12 +103,9 @@ def topk_reduce(
     into one vector), each rank
 
     1. adds its memory to its local gradient: ``a = g + m``;
-    2. picks the ``k = max(1, ceil(density * size))`` entries of ``a`` of
-       largest magnitude (``lax.top_k``);
-    3. all-gathers the k values and their indices over ``axis_name``
-       (``[N, k]`` each, identical on every rank);
-    4. scatter-adds the N rows, one rank at a time in rank order (so every
-       rank sums in the same order, bit-identically), and divides by N;
+    2. picks the ``k = max(1, ceil(density * size))`` entries of ``a`` of largest magnitude;
+    3. all-gathers the k values and their indices (``[N, k]`` each, the same on every rank);
+    4. scatter-adds the N rows in rank order (so every rank sums bit-identically), divides by N;
     5. keeps ``a`` with the sent entries zeroed as its new memory.
 
     So ``N * output + sum_r(new memory_r) = sum_r(a_r)`` exactly up to
@@ -155,15 +135,13 @@ def topk_reduce(
       >>> state.memory["w"].shape  # one row per rank
       (1, 4, 3)
     """
-    config = _TopKConfig.make(axis_name, density, per_leaf, error_feedback,
-                              min_size, index_dtype)
+    config = _TopKConfig.make(axis_name, density, per_leaf, error_feedback, min_size, index_dtype)
 
     def init_fn(params):
         memory = optax.EmptyState()
         if config.error_feedback:
             memory = jax.tree_util.tree_map(
-                lambda p: per_rank_zeros(np.shape(p), p.dtype, (axis_name,)),
-                params)
+                lambda p: per_rank_zeros(np.shape(p), p.dtype, (axis_name,)), params)
         return TopKState(jnp.zeros((), jnp.int32), memory)
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -173,8 +151,7 @@ def topk_reduce(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _topk_update(config: _TopKConfig, updates: Any,
-                 state: TopKState) -> tuple[Any, TopKState]:
+def _topk_update(config: _TopKConfig, updates: Any, state: TopKState) -> tuple[Any, TopKState]:
     n = checks.axis_size(config.axis_name, api=_API)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     check_local(leaves, config.axis_name, api=_API)
@@ -187,27 +164,21 @@ def _topk_update(config: _TopKConfig, updates: Any,
 
     for group in groups:
         dtype = jnp.result_type(*[leaves[i] for i in group])
-        flat = jnp.concatenate([leaves[i].astype(dtype).reshape(-1)
-                                for i in group])
-        k = config.k(flat.size)
-        _, idx = lax.top_k(jnp.abs(flat), k)
-        vals = flat[idx]
-        all_vals = lax.all_gather(vals, config.axis_name, to="invarying")
-        all_idx = lax.all_gather(idx.astype(config.index_dtype),
-                                 config.axis_name, to="invarying")
+        flat = jnp.concatenate([leaves[i].astype(dtype).reshape(-1) for i in group])
+        _, idx = lax.top_k(jnp.abs(flat), config.k(flat.size))
+        all_vals = lax.all_gather(flat[idx], config.axis_name, to="invarying")
+        all_idx = lax.all_gather(idx.astype(config.index_dtype), config.axis_name, to="invarying")
         total = jnp.zeros(flat.shape, dtype)
         for r in range(n):  # fixed order: the same float sum on every rank
             total = total.at[all_idx[r]].add(all_vals[r], unique_indices=True)
         mean = total / n
         remainder = flat.at[idx].set(0)
-        offset = 0
-        for i in group:
-            size = leaves[i].size
-            shape, leaf_dtype = leaves[i].shape, leaves[i].dtype
-            part = slice(offset, offset + size)
-            out[i] = mean[part].reshape(shape).astype(leaf_dtype)
-            kept[i] = remainder[part].reshape(shape).astype(leaf_dtype)
-            offset += size
+        ends = np.cumsum([leaves[i].size for i in group])
+        for i, end in zip(group, ends):
+            leaf = leaves[i]
+            part = slice(int(end) - leaf.size, int(end))
+            out[i] = mean[part].reshape(leaf.shape).astype(leaf.dtype)
+            kept[i] = remainder[part].reshape(leaf.shape).astype(leaf.dtype)
 
     if dense:
         reduced = lax.pmean([leaves[i] for i in dense], config.axis_name)
@@ -219,30 +190,24 @@ def _topk_update(config: _TopKConfig, updates: Any,
     if config.error_feedback:
         new_memory = jax.tree_util.tree_unflatten(
             treedef, [x[None].astype(m.dtype) for x, m in zip(kept, memory, strict=True)])
-    return (jax.tree_util.tree_unflatten(treedef, out),
-            TopKState(state.count + 1, new_memory))
+    return jax.tree_util.tree_unflatten(treedef, out), TopKState(state.count + 1, new_memory)
 
 
 def topk_comm_bytes(params: PyTree, n: int, **topk_kwargs: Any) -> float:
     """Bytes each device sends per step of :func:`topk_reduce`.
 
-    A ring all-gather of N blocks of k entries sends ``(N - 1) / N`` of its
-    ``N * k``-entry result from each device, so per sparsified group::
+    Per sparsified group, a ring all-gather of the N ranks' k entries::
 
-        (N - 1) * k * (value bytes + index bytes),
-        k = max(1, ceil(density * size))
+        (N - 1) * k * (value bytes + index bytes),  k = max(1, ceil(density * size))
 
-    plus ``2 (N - 1) / N * bytes`` for each leaf below ``min_size`` (a ring
-    all-reduce). With N ranks this grows with N, unlike an all-reduce: top-k
-    pays off only while ``N * density * (1 + index/value bytes) < 2``.
+    plus :func:`full_comm_bytes` of the leaves below ``min_size``. This grows with N,
+    unlike an all-reduce: top-k pays off only while
+    ``N * density * (1 + index/value bytes) < 2``.
 
     Args:
       params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
       n: N, the size of the data axis.
       **topk_kwargs: the keyword arguments of :func:`topk_reduce`.
-
-    Returns:
-      Bytes per device per step.
 
     Example:
       >>> import jax.numpy as jnp
@@ -250,8 +215,7 @@ def topk_comm_bytes(params: PyTree, n: int, **topk_kwargs: Any) -> float:
       >>> topk_comm_bytes({"w": jnp.zeros((1000, 100))}, 8, density=0.01)
       56000.0
     """
-    config = _TopKConfig.make(**method_settings(
-        topk_reduce, topk_kwargs, api="topk_comm_bytes"))
+    config = _TopKConfig.make(**method_settings(topk_reduce, topk_kwargs, api="topk_comm_bytes"))
     leaves = jax.tree_util.tree_leaves(params)
     groups, dense = config.groups(leaves)
     sent = 0.0
