@@ -61,13 +61,9 @@ class Bucket:
 class BucketPlan:
     """How a pytree is packed into buckets; static, computed at trace time.
 
-    Attributes:
-      treedef: the tree structure.
-      shapes: the shape of every leaf.
-      dtypes: the dtype of every leaf.
-      buckets: the buckets, in order.
-      layout: ``"flat"`` (each leaf in its own order) or ``"units"`` (a leaf
-        of two or more dimensions with its last axis first).
+    ``treedef``, ``shapes`` and ``dtypes`` describe the tree and each leaf;
+    ``layout`` is ``"flat"`` (each leaf in its own order) or ``"units"`` (a
+    leaf of two or more dimensions with its last axis first).
     """
 
     treedef: Any
@@ -122,15 +118,10 @@ class BucketPlan:
         *,
         fill: Callable[[int], jax.Array],
     ) -> Any:
-        """Splits buffers (one per bucket) back into the tree.
+        """The tree from one ``padded_size`` buffer per bucket (the buffers' dtypes).
 
-        Args:
-          buffers: one 1-D array per bucket, ``padded_size`` long.
-          fill: ``fill(i)`` makes the value of leaf ``i``, which was not
-            packed (zero-size).
-
-        Returns:
-          The pytree, with the original shapes and the buffers' dtypes.
+        ``fill(i)`` makes the value of leaf ``i``, which was not packed
+        (zero-size).
         """
         leaves: list[Any] = [None] * len(self.shapes)
         for bucket, buffer in zip(self.buckets, buffers):
@@ -154,24 +145,15 @@ def plan_buckets(
     slot_divisor: int = 1,
     layout: str = "flat",
 ) -> BucketPlan:
-    """Plans the buckets of a pytree for a ring over ``group_size`` ranks.
+    """The :class:`BucketPlan` of ``tree`` for a ring over ``group_size`` ranks.
 
-    Args:
-      tree: a pytree of arrays (or of anything with ``shape`` and ``dtype``).
-      group_size: every bucket is padded to a multiple of
-        ``group_size * chunks_per_rank``.
-      bucket_bytes: the byte cap of one bucket.
-      chunks_per_rank: sub-chunks per ring slot; None chooses
-        :func:`default_chunks_per_rank` per bucket.
-      slot_divisor: a ring slot is further split this many ways before the
-        default granularity is chosen (the inner axis size of hierarchical
-        SkipReduce, whose ring runs on a 1/L shard).
-      layout: ``"flat"``, or ``"units"``: each leaf of two or more
-        dimensions packed with its last axis first (see the module's
-        docstring). The sizes are the same.
-
-    Returns:
-      The :class:`BucketPlan`.
+    ``tree`` holds arrays (or anything with ``shape`` and ``dtype``). Every
+    bucket, of at most ``bucket_bytes``, is padded to a multiple of
+    ``group_size * chunks_per_rank``; ``chunks_per_rank=None`` chooses
+    :func:`default_chunks_per_rank` per bucket, after a ring slot is split
+    ``slot_divisor`` ways (the inner axis size of hierarchical SkipReduce,
+    whose ring runs on a 1/L shard). ``layout``: ``"flat"``, or ``"units"``
+    (see the module's docstring); the sizes are the same.
     """
     layout = check_choice(layout, "layout", LAYOUTS, api="plan_buckets")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -221,12 +203,8 @@ class BlockPlan:
     with zero rows to ``N * ceil(L / N)``; the leaves of one bucket are laid
     side by side in a ``[N, M]`` buffer, row r holding every leaf's block r.
 
-    Attributes:
-      treedef: the tree structure.
-      shapes: the shape of every leaf.
-      dtypes: the dtype of every leaf.
-      group_size: N.
-      buckets: leaf indices of each buffer, with its dtype.
+    ``treedef``, ``shapes`` and ``dtypes`` as in :class:`BucketPlan`;
+    ``group_size`` is N; ``buckets``: each buffer's dtype and leaf indices.
     """
 
     treedef: Any
@@ -280,15 +258,10 @@ def concatenate_columns(columns: Sequence[jax.Array]) -> jax.Array:
 
 def plan_blocks(tree: Any, *, group_size: int,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BlockPlan:
-    """Plans the ``[N, M]`` buffers of a reduce-scatter (see :class:`BlockPlan`).
+    """The :class:`BlockPlan` of a reduce-scatter over ``group_size`` ranks.
 
-    Args:
-      tree: a pytree of arrays with a leading axis (or ShapeDtypeStructs).
-      group_size: N, the ranks the leading axis is split over.
-      bucket_bytes: the byte cap of one buffer.
-
-    Returns:
-      The :class:`BlockPlan`.
+    ``tree``: arrays (or ShapeDtypeStructs) with a leading axis, split over
+    the N ranks; buffers of at most ``bucket_bytes``.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)

@@ -3,7 +3,9 @@
 Each check names the function (``api``), the argument, what was passed and
 what is allowed, and returns the value as a plain Python type, so that equal
 settings compare (and fingerprint) equal. Booleans are never accepted as
-ints, nor ints as booleans.
+ints, nor ints as booleans. The checks share their arguments: ``value`` is
+what the caller passed, ``name`` the argument's name, and ``api`` the
+public function, named first in the message.
 """
 
 from __future__ import annotations
@@ -24,20 +26,9 @@ def _prefix(api: str | None) -> str:
 
 def check_bool(value: Any, name: str, *, api: str | None = None,
                meaning: str = "") -> bool:
-    """``value`` as a bool; refuses anything that is not a (numpy) bool.
+    """``bool(value)``; refuses anything that is not a (numpy) bool.
 
-    Args:
-      value: what the caller passed.
-      name: the argument's name.
-      api: the public function, named first in the message.
-      meaning: what True means, e.g. ``"True: multiply by N / (N - k)"``.
-
-    Returns:
-      ``bool(value)``.
-
-    Example:
-      >>> check_bool(True, "rescale", api="skip_psum")
-      True
+    ``meaning``: what True means, e.g. ``"True: multiply by N / (N - k)"``.
     """
     if not isinstance(value, (bool, np.bool_)):
         extra = f" ({meaning})" if meaning else ""
@@ -50,28 +41,14 @@ def check_int(value: Any, name: str, *, api: str | None = None,
               allow_none: bool = False,
               type_error: type[Exception] = TypeError,
               allowed: str = "", what: str = "") -> int | None:
-    """``value`` as an int in ``[minimum, maximum]``.
+    """``int(value)`` (a Python or numpy integer) in ``[minimum, maximum]``.
 
-    Args:
-      value: what the caller passed (a Python or numpy integer).
-      name: the argument's name.
-      api: the public function, named first in the message.
-      minimum: the smallest allowed value (None: no bound).
-      maximum: the largest allowed value (None: no bound).
-      allow_none: accept None (returned as None).
-      type_error: the exception raised for a value that is not an int
-        (ValueError where a caller's tests and users expect it); a value out
-        of range raises ValueError.
-      allowed: what the message says is allowed (default: from the bounds,
-        e.g. "a non-negative int").
-      what: appended to the message, e.g. what None means.
-
-    Returns:
-      ``int(value)``, or None.
-
-    Example:
-      >>> check_int(3, "min_size", api="skip_reduce", minimum=0)
-      3
+    A bound of None is no bound; ``allow_none`` accepts None (returned as
+    it is). ``type_error`` is raised for a value that is not an int
+    (ValueError where a caller's tests and users expect it); a value out of
+    range raises ValueError. ``allowed``: what the message says is allowed
+    (default: from the bounds, e.g. "a non-negative int"); ``what``:
+    appended to the message, e.g. what None means.
     """
     if value is None and allow_none:
         return None
@@ -107,22 +84,9 @@ def check_int(value: Any, name: str, *, api: str | None = None,
 def check_real(value: Any, name: str, *, api: str | None = None,
                minimum: float | None = 0.0, maximum: float | None = None,
                positive: bool = False) -> float:
-    """``value`` as a finite float in ``[minimum, maximum]``.
+    """``float(value)`` (any real number, not a bool), finite, in ``[minimum, maximum]``.
 
-    Args:
-      value: what the caller passed (any real number, not a bool).
-      name: the argument's name.
-      api: the public function, named first in the message.
-      minimum: the smallest allowed value (None: no bound).
-      maximum: the largest allowed value (None: no bound).
-      positive: also refuse zero.
-
-    Returns:
-      ``float(value)``.
-
-    Example:
-      >>> check_real(0.5, "skip_ratio", maximum=1.0)
-      0.5
+    A bound of None is no bound; ``positive`` also refuses zero.
     """
     prefix = _prefix(api)
     if isinstance(value, (bool, np.bool_)):
@@ -145,12 +109,7 @@ def check_real(value: Any, name: str, *, api: str | None = None,
 
 def check_choice(value: Any, name: str, choices: dict[str, str], *,
                  api: str | None = None) -> str:
-    """``value`` if it is one of ``choices`` (a name -> meaning mapping).
-
-    Example:
-      >>> check_choice("ring", "gather", {"native": "", "ring": ""})
-      'ring'
-    """
+    """``value`` if it is one of ``choices`` (a name -> meaning mapping)."""
     if not isinstance(value, str) or value not in choices:
         options = " or ".join(
             f"{c!r}" + (f" ({meaning})" if meaning else "")
@@ -161,20 +120,10 @@ def check_choice(value: Any, name: str, choices: dict[str, str], *,
 
 def check_num_skip(num_skip: Any, n: int, *, api: str | None = None,
                    n_name: str = "an axis") -> int:
-    """Checks that ``num_skip`` is a Python int in ``[0, n - 1]``.
+    """``int(num_skip)``: k, the reduce-scatter steps to skip, in ``[0, n - 1]``.
 
-    Args:
-      num_skip: k, the reduce-scatter steps to skip.
-      n: the number of ranks.
-      api: the public function, named first in the message.
-      n_name: what ``n`` is, for the message (``"an axis"``, ``"n"``).
-
-    Returns:
-      ``int(num_skip)``.
-
-    Example:
-      >>> check_num_skip(4, 8)
-      4
+    ``n``: the number of ranks; ``n_name``: what it is, for the message
+    (``"an axis"``, ``"n"``).
     """
     prefix = _prefix(api)
     if isinstance(num_skip, (bool, np.bool_)) or not isinstance(
@@ -240,18 +189,11 @@ def check_distinct_axes(axis_name: Any, inner_axis: Any, *, api: str) -> None:
 
 def check_float_dtype(value: Any, name: str, *, api: str, none: str,
                       example: str) -> np.dtype | None:
-    """Checks that ``value`` is None or a floating-point dtype.
+    """``value``, None or a floating-point dtype, as the dtype JAX computes in.
 
-    Args:
-      value: what the caller passed.
-      name: the argument's name.
-      api: the public function, named first in the message.
-      none: what None means, e.g. ``"add in the gradients' dtype"``.
-      example: a dtype to suggest, e.g. ``"jnp.float32"``.
-
-    Returns:
-      None or the dtype JAX computes in (float64 is float32 unless
-      jax_enable_x64 is on).
+    (float64 is float32 unless jax_enable_x64 is on.) The message says what
+    None means (``none``, e.g. ``"add in the gradients' dtype"``) and
+    suggests ``example``, e.g. ``"jnp.float32"``.
 
     Example:
       >>> check_float_dtype(jnp.bfloat16, "comm_dtype", api="skip_psum",
@@ -279,13 +221,7 @@ def check_comm_dtype(comm_dtype: Any, *, api: str) -> np.dtype | None:
 
 
 def check_comm_width(comm_dtype: np.dtype | None, dtype: Any, *, api: str) -> None:
-    """Refuses a ``comm_dtype`` wider than a gradient's ``dtype``.
-
-    Args:
-      comm_dtype: the checked ``comm_dtype`` (None passes).
-      dtype: a floating gradient leaf's dtype.
-      api: the public function, named first in the message.
-    """
+    """Refuses a checked ``comm_dtype`` (None passes) wider than a floating leaf's."""
     if comm_dtype is not None and np.dtype(comm_dtype).itemsize > np.dtype(dtype).itemsize:
         raise TypeError(
             f"{_prefix(api)}comm_dtype={np.dtype(comm_dtype).name} is wider than "

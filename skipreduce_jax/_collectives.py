@@ -1,9 +1,10 @@
 """Public collectives: ring_psum, skip_psum, skip_pmean, contribution_mask.
 
 All of them are called where ``axis_name`` is bound (inside ``jax.shard_map``)
-and take pytrees. They share one path: check the arguments, plan the buckets,
-make one :class:`SkipSchedule` per bucket from the shared key, run the one
-ring on each bucket, unpack.
+and take pytrees. They share one path: check the arguments into one
+:class:`RingSettings` (from a :class:`SkipConfig` or the keywords), plan the
+buckets, make one :class:`SkipSchedule` per bucket from the shared key, run
+the one ring on each bucket, unpack.
 
 Hierarchical SkipReduce (``inner_axis=...``) all-reduces fully over the fast
 inner axis and skips only over the slow outer axis: a native reduce-scatter
@@ -14,7 +15,6 @@ native all-gather over the inner axis.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Literal
 
 import jax
@@ -26,13 +26,13 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _ring, _shards
 from skipreduce_jax._buckets import (
     DEFAULT_BUCKET_BYTES,
-    LAYOUTS,
     BlockPlan,
     BucketPlan,
     concatenate_columns,
     plan_blocks,
     plan_buckets,
 )
+from skipreduce_jax._config import RingSettings, SkipConfig, ring_settings
 from skipreduce_jax._schedule import (
     ScatterSchedule,
     SkipSchedule,
@@ -51,24 +51,6 @@ GATHER_CHOICES = {"native": "lax.all_gather", "ring": "N - 1 ppermute steps"}
 # ----------------------------------------------------------------------------
 # Argument checks (trace time).
 # ----------------------------------------------------------------------------
-
-
-def check_sizes(chunks_per_rank: Any, bucket_bytes: Any, *, api: str
-                ) -> tuple[int | None, int]:
-    """Checks ``chunks_per_rank`` (None or int >= 1) and ``bucket_bytes``."""
-    return (checks.check_int(chunks_per_rank, "chunks_per_rank", api=api,
-                             minimum=1, allow_none=True, type_error=ValueError,
-                             what="(choose from the bucket size)"),
-            checks.check_int(bucket_bytes, "bucket_bytes", api=api, minimum=1,
-                             type_error=ValueError))
-
-
-def check_accumulate_dtype(accumulate_dtype: Any, *, api: str
-                           ) -> np.dtype | None:
-    """Checks that ``accumulate_dtype`` is None or a floating-point dtype."""
-    return checks.check_float_dtype(accumulate_dtype, "accumulate_dtype", api=api,
-                                    none="add in the gradients' dtype",
-                                    example="jnp.float32")
 
 
 def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
@@ -131,11 +113,6 @@ def nan_unless_finite(values: list[jax.Array], checked: list[bool],
             for v, c in zip(values, checked)]
 
 
-def check_normalize(normalize: Any, *, api: str) -> str:
-    return checks.check_choice(normalize, "normalize", NORMALIZE_CHOICES,
-                               api=api)
-
-
 def as_typed_key(key: Any, *, api: str) -> jax.Array:
     """Accepts a typed PRNG key or a raw uint32[2] key; returns a typed key."""
     if isinstance(key, jax.Array) or isinstance(key, np.ndarray):
@@ -149,24 +126,31 @@ def as_typed_key(key: Any, *, api: str) -> jax.Array:
         "step count so that it is identical on every rank.")
 
 
-def _check_key_replicated(key: jax.Array, axes: tuple[str, ...], api: str,
-                          name: str = "key"):
-    varying = varying_axes(key) & set(axes)
+def _check_replicated(value: jax.Array, ring: RingSettings, name: str):
+    varying = varying_axes(value) & set(ring.axes)
     if varying:
         raise ValueError(
-            f"{api}: {name} varies over {sorted(varying)}. SkipReduce needs the "
+            f"{ring.api}: {name} varies over {sorted(varying)}. SkipReduce needs the "
             f"same {name} on every rank (derive it from a seed and the step count, "
             "never from axis_index), or ranks would disagree on what to drop.")
 
 
-def _check_comm(comm_dtype: Any, leaves: list[jax.Array], api: str
-                ) -> np.dtype | None:
-    """Checks ``comm_dtype`` and that no floating leaf is narrower than it."""
-    comm_dtype = checks.check_comm_dtype(comm_dtype, api=api)
+def _bucket_keys(ring: RingSettings, key: Any, phase: Any, count: int) -> list[Any]:
+    """One key per bucket (None where nothing is drawn); checks key and phase."""
+    draws = ring.randomize and ring.num_skip > 0
+    if draws or key is not None:
+        key = as_typed_key(key, api=ring.api)
+        _check_replicated(key, ring, "key")
+    if isinstance(phase, jax.Array):
+        _check_replicated(phase, ring, "phase")
+    return [jax.random.fold_in(key, i) if draws else None for i in range(count)]
+
+
+def _check_comm_width(ring: RingSettings, leaves: list[jax.Array]):
+    """Refuses a ``comm_dtype`` wider than a floating leaf."""
     for leaf in leaves:
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            checks.check_comm_width(comm_dtype, leaf.dtype, api=api)
-    return comm_dtype
+            checks.check_comm_width(ring.comm_dtype, leaf.dtype, api=ring.api)
 
 
 def _check_floating(leaves, api: str):
@@ -179,75 +163,41 @@ def _check_floating(leaves, api: str):
                 "ring_psum or lax.psum.")
 
 
+def _check_not_bool(x: Any, api: str, fix: str = ""):
+    for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
+        if leaf.dtype == jnp.bool_:
+            raise TypeError(f"{api}: got a bool leaf; cast it to an integer "
+                            f"dtype to count{fix}.")
+
+
 # ----------------------------------------------------------------------------
 # The shared path.
 # ----------------------------------------------------------------------------
 
 
-def _plan(
-    tree: Any,
-    axis_name: str,
-    *,
-    inner_axis: str | None,
-    num_skip: int,
-    key: Any,
-    randomize: bool,
-    chunks_per_rank: int | None,
-    bucket_bytes: int,
-    api: str,
-    phase: Any = 0,
-    layout: str = "flat",
-) -> tuple[BucketPlan, list[SkipSchedule], int, int]:
-    """Checks arguments, plans buckets, and makes one schedule per bucket."""
-    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
-    checks.check_bool(randomize, "randomize", api=api,
-                      meaning="False: static SkipReduce")
-    tree = jax.tree_util.tree_map(jnp.asarray, tree)
-    num_skip = checks.check_num_skip(num_skip, n, api=api)
-    chunks_per_rank, bucket_bytes = check_sizes(chunks_per_rank, bucket_bytes,
-                                                api=api)
-    needs_key = randomize and num_skip > 0
-    if needs_key or key is not None:
-        key = as_typed_key(key, api=api)
-        _check_key_replicated(key, (axis_name,) + ((inner_axis,) if inner_axis
-                                                    else ()), api)
-    if isinstance(phase, jax.Array):
-        _check_key_replicated(phase, _both(axis_name, inner_axis), api, "phase")
-    layout = checks.check_choice(layout, "layout", LAYOUTS, api=api)
-    plan = plan_buckets(tree, group_size=n, slot_divisor=inner,
-                        bucket_bytes=bucket_bytes,
-                        chunks_per_rank=chunks_per_rank, layout=layout)
-    schedules = [
-        make_schedule(
-            n,
-            num_skip=num_skip,
-            chunks_per_rank=b.chunks_per_rank,
-            key=jax.random.fold_in(key, i) if needs_key else None,
-            randomize=randomize, phase=phase)
-        for i, b in enumerate(plan.buckets)
-    ]
-    return plan, schedules, n, inner
+def _plan(tree: Any, ring: RingSettings, key: Any, phase: Any
+          ) -> tuple[BucketPlan, list[SkipSchedule]]:
+    """Plans the buckets of ``tree`` and makes one schedule per bucket."""
+    plan = plan_buckets(tree, group_size=ring.n, slot_divisor=ring.inner,
+                        bucket_bytes=ring.bucket_bytes,
+                        chunks_per_rank=ring.chunks_per_rank, layout=ring.layout)
+    keys = _bucket_keys(ring, key, phase, len(plan.buckets))
+    return plan, [make_schedule(ring.n, num_skip=ring.num_skip, key=k, phase=phase,
+                                chunks_per_rank=b.chunks_per_rank,
+                                randomize=ring.randomize)
+                  for b, k in zip(plan.buckets, keys)]
 
 
 def _reduce(
     tree: Any,
-    axis_name: str,
+    ring: RingSettings,
     *,
-    inner_axis: str | None,
-    num_skip: int,
     key: Any,
-    randomize: bool,
+    phase: Any,
     scale: Any,
-    chunks_per_rank: int | None,
-    bucket_bytes: int,
-    accumulate_dtype: Any,
-    gather: _ring.Gather,
-    api: str,
+    gather: _ring.Gather = "native",
     specs: Any = None,
     with_left_out: bool = False,
-    phase: Any = 0,
-    comm_dtype: Any = None,
-    layout: str = "flat",
     in_place: bool = True,
 ) -> Any:
     """The shared body of the public reductions.
@@ -260,39 +210,31 @@ def _reduce(
     reduced shard by shard (see ``_shards.py``). ``in_place``: how Random's
     slots are put back after the native gather (:func:`_ring.put_in_slot_order`).
     """
-    kwargs = dict(inner_axis=inner_axis, num_skip=num_skip, randomize=randomize,
-                  scale=scale, chunks_per_rank=chunks_per_rank,
-                  bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-                  gather=gather, api=api, with_left_out=with_left_out,
-                  comm_dtype=comm_dtype, layout=layout, in_place=in_place)
-    sharded = _sharded(tree, axis_name, inner_axis, specs, key, phase, api,
-                       lambda local, k, ph: _reduce(local, axis_name, key=k, phase=ph,
-                                                    **kwargs),
+    again = functools.partial(_reduce, ring=ring, scale=scale, gather=gather,
+                              with_left_out=with_left_out, in_place=in_place)
+    sharded = _sharded(tree, ring, specs, key, phase, again,
                        num_outputs=2 if with_left_out else 1)
     if sharded is not None:
         return sharded
-    plan, schedules, n, inner = _plan(
-        tree, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api, phase=phase, layout=layout)
-    checks.check_choice(gather, "gather", GATHER_CHOICES, api=api)
-    accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
-    leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
-    comm_dtype = _check_comm(comm_dtype, leaves, api)
-    if vma_checked(axis_name):
+    checks.check_choice(gather, "gather", GATHER_CHOICES, api=ring.api)
+    tree = jax.tree_util.tree_map(jnp.asarray, tree)
+    plan, schedules = _plan(tree, ring, key, phase)
+    leaves = jax.tree_util.tree_leaves(tree)
+    _check_comm_width(ring, leaves)
+    if vma_checked(ring.axis_name):
         # Values typed replicated are summed N times, exactly as psum does.
-        axes = (axis_name,) + ((inner_axis,) if inner_axis else ())
-        leaves = [cast_varying(leaf, axes) for leaf in leaves]
+        leaves = [cast_varying(leaf, ring.axes) for leaf in leaves]
+    axis_name, inner_axis = ring.axis_name, ring.inner_axis
 
     outputs, left_out, checked = [], [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
         if with_left_out:
-            left_out.append(_left_out(buffer, schedule, axis_name, inner))
-        acc_dtype, sent, gathered = wire_dtypes(bucket.dtype, accumulate_dtype,
-                                                comm_dtype)
+            left_out.append(_left_out(buffer, schedule, axis_name, ring.inner))
+        acc_dtype, sent, gathered = wire_dtypes(bucket.dtype, ring.accumulate_dtype,
+                                                ring.comm_dtype)
         if inner_axis is not None:
-            buffer = _scatter_inner(buffer.astype(acc_dtype), inner_axis, inner)
+            buffer = _scatter_inner(buffer.astype(acc_dtype), inner_axis, ring.inner)
         shard = _ring.reduce_scatter(buffer, schedule, axis_name,
                                      accumulate_dtype=acc_dtype, comm_dtype=sent)
         # Scale and cast the 1/N shard, not the whole buffer.
@@ -316,7 +258,7 @@ def _reduce(
     # Zero-size leaves are not packed. Their results get the types the
     # others get (the sum replicated over the reduced axes, what was left
     # out as varying as the input), as lax.cond branches need.
-    reduced = {axis_name, inner_axis}
+    reduced = set(ring.axes)
 
     def summed_zeros(i):
         leaf = leaves[i]
@@ -377,18 +319,17 @@ def full_psum_scatter(x: jax.Array, axis_name: str, inner_axis: str | None
     return block.reshape((x.shape[0] // (n * inner),) + x.shape[1:])
 
 
-def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
-             key: Any, phase: Any, api: str, reduce: Any, num_outputs: int) -> Any:
-    """``reduce(tree, key, phase)`` on local shards, or None when no leaf is sharded.
+def _sharded(tree: Any, ring: RingSettings, specs: Any, key: Any, phase: Any,
+             reduce: Any, num_outputs: int) -> Any:
+    """``reduce(tree, key=, phase=)`` on local shards, or None when no leaf is sharded.
 
     ``reduce`` returns ``num_outputs`` trees shaped like ``tree`` (a bare
     tree for one).
     """
     leaves, treedef = jax.tree_util.tree_flatten(
         jax.tree_util.tree_map(jnp.asarray, tree))
-    reduced = (axis_name,) + ((inner_axis,) if inner_axis else ())
-    per_leaf = _shards.leaf_specs(leaves, treedef, specs, reduced_axes=reduced,
-                                  api=api)
+    per_leaf = _shards.leaf_specs(leaves, treedef, specs, reduced_axes=ring.axes,
+                                  api=ring.api)
     if all(s is None for s in per_leaf):
         return None
 
@@ -399,7 +340,7 @@ def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
         groups.setdefault(frozenset(_shards.spec_axes(spec)), []).append(i)
 
     # A traced key and phase enter the nested shard_map as arguments.
-    extra = [] if key is None else [as_typed_key(key, api=api)]
+    extra = [] if key is None else [as_typed_key(key, api=ring.api)]
     traced_phase = isinstance(phase, jax.Array)
     if traced_phase:
         extra.append(phase)
@@ -411,7 +352,8 @@ def _sharded(tree: Any, axis_name: str, inner_axis: str | None, specs: Any,
         for g, members in enumerate(groups.values()):
             # Each group its own schedules (the first keeps the key as is).
             out = reduce([local_leaves[i] for i in members],
-                         k if k is None or g == 0 else jax.random.fold_in(k, g), ph)
+                         key=k if k is None or g == 0 else jax.random.fold_in(k, g),
+                         phase=ph)
             for res, got in zip(outs, (out,) if num_outputs == 1 else out,
                                 strict=True):
                 for i, leaf in zip(members, got, strict=True):
@@ -461,9 +403,8 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
     buffer in a loop. (A mask over the whole buffer gets fused by XLA into
     each leaf's slice, which then redoes the key arithmetic for every
     element: on CPU about twice the time of the loop for a 4M-element leaf.)
-    The buffer is ``[L, N, C, m]``:
-    with an inner axis of size L each of its L shards runs the same schedule
-    (see :func:`contribution_mask`).
+    The buffer is ``[L, N, C, m]``: each of the L inner shards runs the same
+    schedule (see :func:`contribution_mask`).
     """
     n, columns = schedule.axis_size, schedule.chunks_per_rank
     pieces = buffer.reshape(inner, n, columns, -1)
@@ -528,15 +469,11 @@ def ring_psum(
       >>> float(f(x)[0])
       28.0
     """
-    for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
-        if leaf.dtype == jnp.bool_:
-            raise TypeError("ring_psum: got a bool leaf; cast it to an integer "
-                            "dtype to count, or reduce it with lax.pmax.")
-    return _reduce(
-        x, axis_name, inner_axis=None, num_skip=0, key=None, randomize=False,
-        scale=None, chunks_per_rank=1, bucket_bytes=bucket_bytes,
-        accumulate_dtype=None, gather=gather, api="ring_psum", specs=specs,
-        comm_dtype=comm_dtype)
+    _check_not_bool(x, "ring_psum", ", or reduce it with lax.pmax")
+    ring = ring_settings(axis_name, None, None, dict(
+        num_skip=0, randomize=False, chunks_per_rank=1, bucket_bytes=bucket_bytes,
+        comm_dtype=comm_dtype), api="ring_psum")
+    return _reduce(x, ring, key=None, phase=0, scale=None, gather=gather, specs=specs)
 
 
 def skip_psum(
@@ -544,7 +481,8 @@ def skip_psum(
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
     randomize: bool = True,
     phase: jax.Array | int = 0,
     rescale: bool = False,
@@ -574,7 +512,14 @@ def skip_psum(
         be None for ``randomize=False`` or ``num_skip=0``. A key that varies
         over the axis is refused at trace time under ``check_vma=True``;
         with ``check_vma=False`` JAX's types cannot tell.
-      num_skip: k, a Python int in [0, N - 1].
+      num_skip: k, a Python int in [0, N - 1]. Give it or ``config``.
+      config: the ring settings as one :class:`SkipConfig`, in place of the
+        keywords ``num_skip`` (or the config's ``skip_ratio``), ``randomize``,
+        ``chunks_per_rank``, ``bucket_bytes``, ``accumulate_dtype``,
+        ``comm_dtype`` and ``layout``, which must then be left out
+        (``dataclasses.replace(config, ...)`` changes one). Its other fields,
+        the optimizer's (``seed``, ``selective``, ``min_size``,
+        ``error_feedback``, ...), are not read.
       randomize: False is static SkipReduce: the same k ranks are left out
         for a given element whatever the key (biased; for comparison).
       phase: the step's place in a balanced period: with the key and phase
@@ -633,22 +578,20 @@ def skip_psum(
       ...                     out_specs=P())(grads)
       >>> out.shape, float(out[0, 0])  # every element sums N - k = 4 ranks
       ((1, 64), 4.0)
+      >>> config = sr.SkipConfig(skip_ratio=0.5, chunks_per_rank=1)  # k = 4 of 8
+      >>> f = lambda g: skip_psum(g, "data", key=jax.random.key(0), config=config)
+      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(grads)
+      >>> float(out[0, 0])
+      4.0
     """
     api = "skip_psum"
     _check_floating(jax.tree_util.tree_leaves(x), api)
     checks.check_bool(rescale, "rescale", api=api,
                       meaning="True: multiply the sum by N / (N - k)")
-    scale = None
-    if rescale:
-        n, _ = checks.axes_pair(axis_name, inner_axis, api=api)
-        k = checks.check_num_skip(num_skip, n, api=api)
-        scale = n / (n - k)
-    return _reduce(
-        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, scale=scale, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs, phase=phase, comm_dtype=comm_dtype,
-        layout=layout)
+    ring = ring_settings(axis_name, inner_axis, config, locals(), api=api)
+    scale = ring.n / (ring.n - ring.num_skip) if rescale else None
+    return _reduce(x, ring, key=key, phase=phase, scale=scale, gather=gather,
+                   specs=specs)
 
 
 def skip_pmean(
@@ -656,7 +599,8 @@ def skip_pmean(
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
     randomize: bool = True,
     phase: jax.Array | int = 0,
     normalize: Normalize = "contributors",
@@ -671,51 +615,47 @@ def skip_pmean(
 ) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
-    Args:
-      x: a pytree of floating-point arrays.
-      axis_name: as in :func:`skip_psum`.
-      key: as in :func:`skip_psum`.
-      num_skip: as in :func:`skip_psum`.
-      randomize: as in :func:`skip_psum`.
-      phase: as in :func:`skip_psum`.
-      normalize: ``"contributors"`` divides by the N - k ranks summed (keeps
-        the gradient's scale); ``"world"`` divides by N (what the authors'
-        NCCL implementation does; shrinks the gradient by (N - k) / N). With
-        ``inner_axis`` of size L, the counts are (N - k) L and N L.
-      inner_axis: as in :func:`skip_psum`.
-      chunks_per_rank: as in :func:`skip_psum`.
-      bucket_bytes: as in :func:`skip_psum`.
-      accumulate_dtype: as in :func:`skip_psum`.
-      gather: as in :func:`skip_psum`.
-      specs: as in :func:`ring_psum`.
-      comm_dtype: as in :func:`skip_psum`.
-      layout: as in :func:`skip_psum`.
+    It takes :func:`skip_psum`'s arguments but ``rescale``: ``config`` is a
+    :class:`SkipConfig` of which only the ring settings are read (not the
+    optimizer's ``seed``, ``min_size``, ``error_feedback``, ...). And
+    ``normalize``: ``"contributors"`` divides by the N - k ranks summed
+    (keeps the gradient's scale); ``"world"`` divides by N (what the
+    authors' NCCL implementation does; shrinks the gradient by (N - k) / N).
+    With ``inner_axis`` of size L, the counts are (N - k) L and N L.
 
     Returns:
       The partial mean, identical on every rank.
     """
-    return _pmean(
-        x, axis_name, key=key, num_skip=num_skip, randomize=randomize,
-        phase=phase, normalize=normalize, inner_axis=inner_axis,
-        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
-        accumulate_dtype=accumulate_dtype, gather=gather, specs=specs,
-        comm_dtype=comm_dtype, layout=layout, api="skip_pmean")
+    ring = ring_settings(axis_name, inner_axis, config, locals(), api="skip_pmean")
+    return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
+                  specs=specs)
 
 
-def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
-                            ) -> tuple[Any, Any]:
+def skip_pmean_and_left_out(
+    x: PyTree,
+    axis_name: str,
+    *,
+    key: jax.Array | None,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
+    randomize: bool = True,
+    phase: jax.Array | int = 0,
+    normalize: Normalize = "contributors",
+    inner_axis: str | None = None,
+    chunks_per_rank: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    accumulate_dtype: DTypeLike | None = None,
+    gather: _ring.Gather = "native",
+    specs: PyTree = None,
+    comm_dtype: DTypeLike | None = None,
+    layout: str = "flat",
+) -> tuple[PyTree, PyTree]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
-    Takes exactly the arguments of :func:`skip_pmean`. Error feedback keeps
-    the second result for the next step; it equals
-    ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same
-    ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``, ``inner_axis``,
-    ``chunks_per_rank``, ``bucket_bytes`` and ``layout``.
-
-    Args:
-      x: as in :func:`skip_pmean`.
-      axis_name: as in :func:`skip_pmean`.
-      **kwargs: the keyword arguments of :func:`skip_pmean`.
+    It takes the arguments of :func:`skip_pmean` (``config``: a
+    :class:`SkipConfig`, of which only the ring settings are read). Error
+    feedback keeps the second result for the next step; it equals
+    ``jnp.where(contribution_mask(x, ...), 0, x)`` with the same arguments.
 
     Returns:
       ``(mean, left_out)``, both shaped like ``x``: the mean is identical on
@@ -732,42 +672,26 @@ def skip_pmean_and_left_out(x: PyTree, axis_name: str, **kwargs: Any
       >>> float(mean[0, 0]), float(left_out.sum())  # 1 of 8 ranks left out
       (1.0, 64.0)
     """
-    api = "skip_pmean_and_left_out"
-    try:
-        args = inspect.signature(skip_pmean).bind(x, axis_name, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"{api}: {e}; it takes the arguments of skip_pmean."
-                        ) from None
-    return _pmean(**args.arguments, api=api, with_left_out=True)
+    ring = ring_settings(axis_name, inner_axis, config, locals(),
+                         api="skip_pmean_and_left_out")
+    return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
+                  specs=specs, with_left_out=True)
 
 
-# help() and IDEs show skip_pmean's parameters.
-skip_pmean_and_left_out.__signature__ = inspect.signature(skip_pmean).replace(
-    return_annotation=tuple[Any, Any])
+def _pmean(x: Any, ring: RingSettings, *, key: Any, phase: Any, normalize: Any,
+           gather: _ring.Gather = "native", specs: Any = None,
+           with_left_out: bool = False, in_place: bool = True) -> Any:
+    checks.check_choice(normalize, "normalize", NORMALIZE_CHOICES, api=ring.api)
+    _check_floating(jax.tree_util.tree_leaves(x), ring.api)
+    count = ring.n - ring.num_skip if normalize == "contributors" else ring.n
+    return _reduce(x, ring, key=key, phase=phase, scale=1.0 / (count * ring.inner),
+                   gather=gather, specs=specs, with_left_out=with_left_out,
+                   in_place=in_place)
 
 
-def _pmean(x: Any, axis_name: str, *, key: Any, num_skip: int,
-           randomize: bool = True, phase: Any = 0, normalize: Normalize = "contributors",
-           inner_axis: str | None = None, chunks_per_rank: int | None = None,
-           bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-           accumulate_dtype: Any = None, gather: _ring.Gather = "native",
-           specs: Any = None, comm_dtype: Any = None, layout: str = "flat",
-           api: str, with_left_out: bool = False, in_place: bool = True) -> Any:
-    check_normalize(normalize, api=api)
-    _check_floating(jax.tree_util.tree_leaves(x), api)
-    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
-    k = checks.check_num_skip(num_skip, n, api=api)
-    count = (n - k if normalize == "contributors" else n) * inner
-    return _reduce(
-        x, axis_name, inner_axis=inner_axis, num_skip=k, key=key,
-        randomize=randomize, scale=1.0 / count, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-        gather=gather, api=api, specs=specs, with_left_out=with_left_out,
-        phase=phase, comm_dtype=comm_dtype, layout=layout, in_place=in_place)
-
-
-def pmean_for_update(x: PyTree, axis_name: str, *, with_left_out: bool = False,
-                     **kwargs: Any) -> Any:
+def pmean_for_update(x: PyTree, axis_name: str, *, config: SkipConfig, key: Any,
+                     phase: Any, inner_axis: str | None, specs: Any, normalize: str,
+                     with_left_out: bool = False) -> Any:
     """:func:`skip_pmean` (or ``skip_pmean_and_left_out``) for ``skip_reduce``.
 
     Its result goes straight into the optimizer's update in the same
@@ -776,8 +700,9 @@ def pmean_for_update(x: PyTree, axis_name: str, *, with_left_out: bool = False,
     values, same bytes.
     """
     api = "skip_pmean_and_left_out" if with_left_out else "skip_pmean"
-    return _pmean(x, axis_name, **kwargs, api=api, with_left_out=with_left_out,
-                  in_place=False)
+    ring = ring_settings(axis_name, inner_axis, config, {}, api=api)
+    return _pmean(x, ring, key=key, phase=phase, normalize=normalize, specs=specs,
+                  with_left_out=with_left_out, in_place=False)
 
 
 def contribution_mask(
@@ -785,7 +710,8 @@ def contribution_mask(
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
     randomize: bool = True,
     phase: jax.Array | int = 0,
     inner_axis: str | None = None,
@@ -796,50 +722,36 @@ def contribution_mask(
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
 
-    With the same ``axis_name``, ``key``, ``num_skip``, ``randomize``, ``phase``,
-    ``inner_axis``, ``chunks_per_rank``, ``bucket_bytes``, ``specs`` and
-    ``layout`` (the only arguments that decide who is summed), it asks the
-    same bucket plan and schedules that :func:`skip_psum` uses, so the two
-    always agree. Error feedback keeps ``x * ~mask`` for the next step.
-
-    Args:
-      x: the pytree that will be (or was) passed to :func:`skip_psum`.
-      axis_name: as in :func:`skip_psum`.
-      key: as in :func:`skip_psum`.
-      num_skip: as in :func:`skip_psum`.
-      randomize: as in :func:`skip_psum`.
-      phase: as in :func:`skip_psum`.
-      inner_axis: as in :func:`skip_psum`; a device's value is summed when its
-        outer rank's share is.
-      chunks_per_rank: as in :func:`skip_psum`.
-      bucket_bytes: as in :func:`skip_psum`.
-      specs: as in :func:`ring_psum`.
-      layout: as in :func:`skip_psum`.
+    ``x`` is the pytree that will be (or was) passed to :func:`skip_psum`;
+    the other arguments are those of :func:`skip_psum` that decide who is
+    summed (``config``: a :class:`SkipConfig`, of which only the ring
+    settings are read). With the same values it asks the same bucket plan
+    and schedules, so the two always agree (with ``inner_axis``, a device's
+    value is summed when its outer rank's share is). Error feedback keeps
+    ``x * ~mask`` for the next step.
 
     Returns:
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is part of the sum.
     """
-    api = "contribution_mask"
-    kwargs = dict(num_skip=num_skip, randomize=randomize, inner_axis=inner_axis,
-                  chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
-                  layout=layout)
-    sharded = _sharded(x, axis_name, inner_axis, specs, key, phase, api,
-                       lambda local, k, ph: contribution_mask(local, axis_name, key=k,
-                                                              phase=ph, **kwargs),
+    ring = ring_settings(axis_name, inner_axis, config, locals(),
+                         api="contribution_mask")
+    return _mask(x, ring, key=key, phase=phase, specs=specs)
+
+
+def _mask(x: Any, ring: RingSettings, *, key: Any, phase: Any, specs: Any = None
+          ) -> Any:
+    sharded = _sharded(x, ring, specs, key, phase, functools.partial(_mask, ring=ring),
                        num_outputs=1)
     if sharded is not None:
         return sharded
-    plan, schedules, n, inner = _plan(
-        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, chunks_per_rank=chunks_per_rank,
-        bucket_bytes=bucket_bytes, api=api, phase=phase, layout=layout)
-    rank = lax.axis_index(axis_name)
+    plan, schedules = _plan(jax.tree_util.tree_map(jnp.asarray, x), ring, key, phase)
+    rank = lax.axis_index(ring.axis_name)
     masks = []
     for bucket, schedule in zip(plan.buckets, schedules):
-        shard_mask = schedule.element_mask(rank, bucket.padded_size // inner)
+        shard_mask = schedule.element_mask(rank, bucket.padded_size // ring.inner)
         # With an inner axis, each of the L shards follows the same schedule.
-        masks.append(jnp.tile(shard_mask, inner) if inner > 1 else shard_mask)
+        masks.append(jnp.tile(shard_mask, ring.inner) if ring.inner > 1 else shard_mask)
     return plan.unpack(masks, fill=lambda i: jnp.ones(plan.shapes[i], jnp.bool_))
 
 
@@ -848,86 +760,55 @@ def contribution_mask(
 # ----------------------------------------------------------------------------
 
 
-def _scatter_plan(x: Any, axis_name: str, *, inner_axis: str | None,
-                  num_skip: int, key: Any, randomize: bool, bucket_bytes: int,
-                  api: str, phase: Any = 0
+def _scatter_plan(x: Any, ring: RingSettings, key: Any, phase: Any
                   ) -> tuple[BlockPlan, list[ScatterSchedule], list[jax.Array]]:
-    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
-    checks.check_bool(randomize, "randomize", api=api,
-                      meaning="False: static SkipReduce")
-    num_skip = checks.check_num_skip(num_skip, n, api=api)
-    bucket_bytes = checks.check_int(bucket_bytes, "bucket_bytes", api=api,
-                                    minimum=1, type_error=ValueError)
     leaves = [jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(x)]
-    for leaf in leaves:
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"{api}: got a scalar leaf; a reduce-scatter splits each leaf "
-                "along its leading axis. Reduce scalars with lax.psum.")
-    needs_key = randomize and num_skip > 0
-    if needs_key or key is not None:
-        key = as_typed_key(key, api=api)
-        _check_key_replicated(key, _both(axis_name, inner_axis), api)
-    if isinstance(phase, jax.Array):
-        _check_key_replicated(phase, _both(axis_name, inner_axis), api, "phase")
+    if any(leaf.ndim == 0 for leaf in leaves):
+        raise ValueError(
+            f"{ring.api}: got a scalar leaf; a reduce-scatter splits each leaf "
+            "along its leading axis. Reduce scalars with lax.psum.")
     # Hierarchical: N * L blocks, block o * L + i for device (o, i), the
     # order of P((axis_name, inner_axis)).
-    plan = plan_blocks(x, group_size=n * inner, bucket_bytes=bucket_bytes)
-    schedules = [
-        make_scatter_schedule(
-            n, num_skip=num_skip, randomize=randomize, phase=phase,
-            key=jax.random.fold_in(key, i) if needs_key else None)
-        for i in range(len(plan.buckets))]
+    plan = plan_blocks(x, group_size=ring.n * ring.inner, bucket_bytes=ring.bucket_bytes)
+    keys = _bucket_keys(ring, key, phase, len(plan.buckets))
+    schedules = [make_scatter_schedule(ring.n, num_skip=ring.num_skip, key=k,
+                                       randomize=ring.randomize, phase=phase)
+                 for k in keys]
     return plan, schedules, leaves
 
 
-def _both(axis_name: str, inner_axis: str | None) -> tuple[str, ...]:
-    return (axis_name,) + ((inner_axis,) if inner_axis else ())
-
-
-def _scatter(x: Any, axis_name: str, *, inner_axis: str | None = None, key: Any,
-             num_skip: int, randomize: bool, scale: float | None,
-             bucket_bytes: int, accumulate_dtype: Any, api: str,
-             phase: Any = 0, own_weight: float = 1.0,
-             comm_dtype: Any = None) -> Any:
+def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
+             scale: float | None, own_weight: float = 1.0) -> Any:
     """The shared body of the skipped reduce-scatters.
 
     ``own_weight``: Random only, the weight of each block owner's own value
     in its sum (``skip_reduce`` weighs it so the sum is unbiased).
     """
-    for leaf in map(jnp.asarray, jax.tree_util.tree_leaves(x)):
-        if leaf.dtype == jnp.bool_:
-            raise TypeError(f"{api}: got a bool leaf; cast it to an integer "
-                            "dtype to count.")
-    plan, schedules, leaves = _scatter_plan(
-        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, bucket_bytes=bucket_bytes, api=api, phase=phase)
-    accumulate_dtype = check_accumulate_dtype(accumulate_dtype, api=api)
-    comm_dtype = _check_comm(comm_dtype, leaves, api)
-    axes = _both(axis_name, inner_axis)
-    if vma_checked(axis_name):
-        leaves = [cast_varying(leaf, axes) for leaf in leaves]
-    n = schedules[0].axis_size if schedules else 1
+    _check_not_bool(x, ring.api)
+    plan, schedules, leaves = _scatter_plan(x, ring, key, phase)
+    _check_comm_width(ring, leaves)
+    if vma_checked(ring.axis_name):
+        leaves = [cast_varying(leaf, ring.axes) for leaf in leaves]
     rows, checked = [], []
     for bucket, (dtype, _) in enumerate(plan.buckets):
-        acc_dtype, sent, _ = wire_dtypes(dtype, accumulate_dtype, comm_dtype)
-        if inner_axis is None:
+        acc_dtype, sent, _ = wire_dtypes(dtype, ring.accumulate_dtype, ring.comm_dtype)
+        if ring.inner_axis is None:
             buffer = plan.pack(leaves, bucket)  # [N, M]
         else:
             buffer = concatenate_columns([
-                _scatter_column(c.astype(acc_dtype), n, inner_axis)
+                _scatter_column(c.astype(acc_dtype), ring.n, ring.inner_axis)
                 for c in plan.columns(leaves, bucket)])
         row = _ring.reduce_scatter_to_owners(
-            buffer, schedules[bucket], axis_name, accumulate_dtype=acc_dtype,
+            buffer, schedules[bucket], ring.axis_name, accumulate_dtype=acc_dtype,
             comm_dtype=sent, own_weight=own_weight)
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
         checked.append(can_overflow(sent))
-    rows = nan_unless_finite(rows, checked, axes)
+    rows = nan_unless_finite(rows, checked, ring.axes)
     def zeros(i):  # a zero-size leaf's block, typed like the others
         block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])
-        return cast_varying(block, axes) if vma_checked(axis_name) else block
+        return cast_varying(block, ring.axes) if vma_checked(ring.axis_name) else block
 
     return plan.unpack(rows, fill=zeros)
 
@@ -937,7 +818,8 @@ def skip_psum_scatter(
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
     randomize: bool = True,
     phase: jax.Array | int = 0,
     rescale: bool = False,
@@ -974,7 +856,10 @@ def skip_psum_scatter(
       x: a pytree of arrays (floating or integer) with a leading axis.
       axis_name: the mesh axis to reduce over.
       key: a PRNG key identical on every rank (None for static or k = 0).
-      num_skip: k, a Python int in [0, N - 1].
+      num_skip: k, a Python int in [0, N - 1]. Give it or ``config``.
+      config: a :class:`SkipConfig`, as in :func:`skip_psum`; a scatter
+        reads neither its ``chunks_per_rank`` and ``layout`` nor the
+        optimizer's fields.
       randomize: False is static: the same ranks are left out whatever the key.
       phase: the step's place in a balanced period (:func:`balanced_draw`
         with :func:`scatter_period`, not :func:`ring_period`: the scatter
@@ -1005,14 +890,9 @@ def skip_psum_scatter(
     api = "skip_psum_scatter"
     checks.check_bool(rescale, "rescale", api=api,
                       meaning="True: multiply the sum by N / (N - k)")
-    scale = None
-    if rescale:
-        n = checks.axis_size(axis_name, api=api)
-        scale = n / (n - checks.check_num_skip(num_skip, n, api=api))
-    return _scatter(x, axis_name, inner_axis=inner_axis, key=key,
-                    num_skip=num_skip, randomize=randomize, scale=scale,
-                    bucket_bytes=bucket_bytes, accumulate_dtype=accumulate_dtype,
-                    api=api, phase=phase, comm_dtype=comm_dtype)
+    ring = ring_settings(axis_name, inner_axis, config, locals(), api=api)
+    scale = ring.n / (ring.n - ring.num_skip) if rescale else None
+    return _scatter(x, ring, key=key, phase=phase, scale=scale)
 
 
 def scatter_contribution_mask(
@@ -1020,7 +900,8 @@ def scatter_contribution_mask(
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int,
+    num_skip: int | None = None,
+    config: SkipConfig | None = None,
     randomize: bool = True,
     phase: jax.Array | int = 0,
     inner_axis: str | None = None,
@@ -1028,30 +909,26 @@ def scatter_contribution_mask(
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
 
-    It asks the same block plan and schedules, so the two always agree.
-
-    Args:
-      x: the pytree passed to :func:`skip_psum_scatter`.
-      axis_name: as there.
-      key: as there.
-      num_skip: as there.
-      randomize: as there.
-      phase: as there.
-      inner_axis: as there; the inner axis is summed in full, so a value is
-        summed when its outer rank's is.
-      bucket_bytes: as there.
+    It takes the pytree passed to :func:`skip_psum_scatter` and the same
+    arguments (``config``: a :class:`SkipConfig`, of which only the ring
+    settings are read), and asks the same block plan and schedules, so the
+    two always agree; with ``inner_axis`` (summed in full) a value is summed
+    when its outer rank's is.
 
     Returns:
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is summed into its owner's block (padding rows excluded).
     """
-    api = "scatter_contribution_mask"
-    plan, schedules, leaves = _scatter_plan(
-        x, axis_name, inner_axis=inner_axis, num_skip=num_skip, key=key,
-        randomize=randomize, bucket_bytes=bucket_bytes, api=api, phase=phase)
-    rank = lax.axis_index(axis_name)
-    inner = plan.group_size // schedules[0].axis_size if schedules else 1
-    per_block = {i: jnp.repeat(s.contributes(rank), inner)  # outer block o * L + i
+    ring = ring_settings(axis_name, inner_axis, config, locals(),
+                         api="scatter_contribution_mask")
+    return scatter_mask(x, ring, key=key, phase=phase)
+
+
+def scatter_mask(x: Any, ring: RingSettings, *, key: Any, phase: Any) -> Any:
+    """:func:`scatter_contribution_mask` with its :class:`RingSettings`."""
+    plan, schedules, leaves = _scatter_plan(x, ring, key, phase)
+    rank = lax.axis_index(ring.axis_name)
+    per_block = {i: jnp.repeat(s.contributes(rank), ring.inner)  # block o * L + i
                  for (_, indices), s in zip(plan.buckets, schedules) for i in indices}
 
     def mask(i, leaf):

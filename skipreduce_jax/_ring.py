@@ -88,19 +88,13 @@ def reduce_scatter(
     accumulate_dtype: jnp.dtype,
     comm_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Runs the skipped reduce-scatter.
+    """Runs the skipped reduce-scatter of ``schedule`` over ``axis_name``.
 
-    Args:
-      buffer: this rank's flat buffer of ``N * C * m`` elements.
-      schedule: the plan for this buffer.
-      axis_name: the ring's axis.
-      accumulate_dtype: dtype of the accumulator (and of what is sent).
-      comm_dtype: None, or the dtype that is sent instead: each step rounds
-        the accumulator to it once, and the receiver adds its own piece in
-        ``accumulate_dtype``.
-
-    Returns:
-      ``[C, m]``: ring chunk ``rank``, summed over ``N - k`` ranks.
+    ``buffer``: this rank's flat buffer of ``N * C * m`` elements, added in
+    ``accumulate_dtype`` (and sent in it, unless ``comm_dtype`` is given:
+    each step then rounds the accumulator to that once, and the receiver
+    adds its own piece in ``accumulate_dtype``). Returns ``[C, m]``: ring
+    chunk ``rank``, summed over ``N - k`` ranks.
     """
     n, chunks = schedule.axis_size, schedule.chunks_per_rank
     pieces = buffer.reshape(n, chunks, -1)
@@ -146,23 +140,14 @@ def reduce_scatter_to_owners(
     ``(N - 1 - k) / N`` of the buffer; on a physical ring or torus a shift of
     s crosses s links, on a switched network any shift runs at full rate.
 
-    Args:
-      buffer: ``[N, M]``: row b is this rank's values of block b.
-      schedule: the plan for this buffer.
-      axis_name: the axis.
-      accumulate_dtype: dtype of the sums (and of what is sent).
-      comm_dtype: None, or the dtype that is sent instead (each piece is
-        rounded to it once and added in ``accumulate_dtype`` on arrival).
-      own_weight: Random only: the owner's own piece enters the sum times
-        this (the others are always summed with weight 1).
-
-    Returns:
-      ``[M]``: block ``rank``, summed over ``N - k`` ranks, itself included.
+    ``buffer`` is ``[N, M]``, row b this rank's values of block b; the other
+    arguments are :func:`reduce_scatter`'s, and ``own_weight`` (Random only;
+    the ring of static ones adds every piece alike): the owner's own piece
+    enters the sum times this (the others always with weight 1). Returns
+    ``[M]``: block ``rank``, summed over ``N - k`` ranks, itself included.
     """
     n = schedule.axis_size
     if not schedule.randomized:
-        if own_weight != 1.0:  # the ring below adds every piece alike
-            raise ValueError("own_weight applies to Random schedules only.")
         ring = make_schedule(n, num_skip=schedule.num_skip, randomize=False)
         return reduce_scatter(buffer.reshape(-1), ring, axis_name,
                               accumulate_dtype=accumulate_dtype,
@@ -204,22 +189,17 @@ def gather(
 ) -> jax.Array:
     """Gathers every rank's reduced ring chunk and puts slots back in order.
 
-    Args:
-      shard: ``[C, m]``, ring chunk ``rank`` as left by :func:`reduce_scatter`.
-      schedule: the plan for this buffer.
-      axis_name: the ring's axis.
-      method: ``"native"`` uses ``lax.all_gather`` (the platform's own
-        all-gather; under ``check_vma=True`` its result is typed replicated
-        over ``axis_name``, as ``psum``'s is, so it can leave ``shard_map``
-        with ``out_specs=P()``). ``"ring"`` uses N - 1 ppermute steps; the
-        values are the same on every rank but JAX types them as varying.
-      packed: send ``shard`` (a ``comm_dtype`` value) with
-        :func:`send_narrow`: packed in uint32 words on CPU.
-      in_place: with ``"native"``, how a randomized schedule's slots are put
-        back (:func:`put_in_slot_order`).
-
-    Returns:
-      The flat reduced buffer of ``N * C * m`` elements, in slot order.
+    ``shard``: ``[C, m]``, ring chunk ``rank`` as :func:`reduce_scatter`
+    left it. ``method``: ``"native"`` uses ``lax.all_gather`` (the
+    platform's own all-gather; under ``check_vma=True`` its result is typed
+    replicated over ``axis_name``, as ``psum``'s is, so it can leave
+    ``shard_map`` with ``out_specs=P()``); ``"ring"`` uses N - 1 ppermute
+    steps, whose values are the same on every rank but typed varying.
+    ``packed``: send ``shard`` (a ``comm_dtype`` value) with
+    :func:`send_narrow`, packed in uint32 words on CPU. ``in_place``: with
+    ``"native"``, how a randomized schedule's slots are put back
+    (:func:`put_in_slot_order`). Returns the flat reduced buffer of
+    ``N * C * m`` elements, in slot order.
     """
     n = schedule.axis_size
     def move(x, how):
@@ -230,8 +210,6 @@ def gather(
                                                  axis_name=axis_name))
         return put_in_slot_order(by_chunk, schedule,
                                  in_place=in_place).reshape(-1)
-    if method != "ring":
-        raise ValueError(f"gather={method!r}: use 'native' or 'ring'.")
     rank = lax.axis_index(axis_name)
     # zeros_like keeps the shard's varying type, as the loop carry needs.
     out = _place(jnp.zeros_like(shard, shape=(n,) + shard.shape), shard, rank,

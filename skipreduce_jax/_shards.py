@@ -60,18 +60,10 @@ def _type_spec(leaf: Any, available: Sequence[str]) -> P | None:
 
 def leaf_specs(leaves: Sequence[Any], treedef: Any, specs: Any, *,
                reduced_axes: Sequence[str], api: str) -> list[P | None]:
-    """One spec per leaf (None: not sharded over the compiler's axes).
+    """One ``PartitionSpec`` per leaf of ``treedef`` (None: not sharded over the compiler's axes).
 
-    Args:
-      leaves: the flattened tree.
-      treedef: its structure.
-      specs: None, or a pytree prefix of ``PartitionSpec`` / None over the
-        mesh axes the compiler handles.
-      reduced_axes: the axes being reduced (no leaf may be sharded over them).
-      api: the public function, for messages.
-
-    Returns:
-      A list with one ``PartitionSpec`` or None per leaf.
+    ``specs``: as :func:`given_specs` takes it; a leaf it leaves unsharded
+    is read from its type. No leaf may be sharded over ``reduced_axes``.
     """
     given = given_specs(leaves, treedef, specs, api=api)
     out = []

@@ -33,7 +33,15 @@ from jax import lax
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
 from skipreduce_jax import _shards
-from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
+from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
+from skipreduce_jax._config import (
+    SKIP_OPTIONS,
+    SkipConfig,
+    is_default,
+    resolve_num_skip,
+    ring_settings,
+    skip_config,
+)
 from skipreduce_jax._guards import host_check, leaf_agreement, raise_in_callback
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
 from skipreduce_jax._per_rank import check_local, per_rank_zeros
@@ -42,9 +50,8 @@ from skipreduce_jax._schedule import (
     balanced_draw,
     ring_period,
     scatter_period,
-    skip_ratio_to_num_skip,
 )
-from skipreduce_jax._selection import check_selective, skippable
+from skipreduce_jax._selection import skippable
 from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import pmean_nonempty
 
@@ -78,75 +85,6 @@ class SkipReduceState(NamedTuple):
 
     # Placed per rank by skipreduce_jax.state_specs.
     per_rank_fields = ("residual",)
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipConfig:
-    """SkipReduce's settings, checked once, in one frozen object.
-
-    Its fields are :func:`skip_reduce`'s keyword options (described there),
-    without the mesh axes. :func:`skip_reduce`, :func:`value_and_grad` and
-    :func:`comm_stats` build one from their keywords, or take one as
-    ``config=``, so that one object carries a run's settings to each of
-    them. Give exactly one of ``num_skip`` and ``skip_ratio``;
-    ``dataclasses.replace(config, ...)`` derives another, checked again.
-
-    Raises:
-      ValueError, TypeError: for a setting out of range, naming it.
-
-    Example:
-      >>> config = sr.SkipConfig(skip_ratio=0.5, min_size=0)
-      >>> tx = optax.chain(sr.skip_reduce("data", config=config), optax.sgd(0.1))
-      >>> round(sr.comm_stats({"w": jnp.zeros((1024, 1024))}, 8, config=config).ratio, 3)
-      0.714
-    """
-
-    num_skip: int | None = None
-    skip_ratio: float | None = None
-    seed: int = 0
-    randomize: bool = True
-    balanced: bool = True
-    selective: Any = None
-    min_size: int = 100_000
-    warmup_steps: int = 0
-    error_feedback: bool = False
-    exact_radial: bool | None = None
-    chunks_per_rank: int | None = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    accumulate_dtype: Any = None
-    check_finite: bool = False
-    params_sharded: bool = False
-    verify_sync: bool = False
-    comm_dtype: Any = None
-    layout: str = "flat"
-
-    def __post_init__(self):
-        # Plain Python values, so that equal settings have equal fingerprints.
-        for name, value in _checked(self).items():
-            object.__setattr__(self, name, value)
-
-
-SKIP_OPTIONS = tuple(f.name for f in dataclasses.fields(SkipConfig))
-
-
-def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
-                api: str) -> SkipConfig:
-    """``config``, or the one ``options`` (keywords of ``api``) build; not both."""
-    if config is None:
-        unknown = sorted(set(options) - set(SKIP_OPTIONS))
-        if unknown:
-            raise TypeError(f"{api}: unknown options {unknown}; SkipReduce's options "
-                            f"are {list(SKIP_OPTIONS)}.")
-        return SkipConfig(**options)
-    if not isinstance(config, SkipConfig):
-        raise TypeError(f"{api}: config must be a skipreduce_jax.SkipConfig, got "
-                        f"{type(config).__name__}.")
-    if options:
-        raise TypeError(
-            f"{api}: pass the settings as config= or as keyword options, not both "
-            f"(got config and {sorted(options)}); dataclasses.replace(config, ...) "
-            "changes some of them.")
-    return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +126,7 @@ class _Config(SkipConfig):
         return "world" if self.error_feedback else "contributors"
 
     def resolve_num_skip(self, n: int) -> int:
-        if self.skip_ratio is not None:
-            return skip_ratio_to_num_skip(self.skip_ratio, n)
-        return checks.check_num_skip(self.num_skip, n, api=_API)
+        return resolve_num_skip(self.num_skip, self.skip_ratio, n, api=_API)
 
     def radial(self, params: Any) -> bool:
         """Whether ``exact_radial`` applies: as given, or (None) with BatchNorm."""
@@ -311,7 +247,7 @@ def skip_reduce(
       Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
     """
     options = {name: value for name, value in locals().items()
-               if name in SKIP_OPTIONS and not _is_default(name, value)}
+               if name in SKIP_OPTIONS and not is_default(name, value)}
     config = _Config.of(skip_config(config, options, api=_API), axis_name, inner_axis)
     warned = []  # the BatchNorm warning, once per transformation
 
@@ -345,66 +281,6 @@ def _residual_rows(config: _Config, params: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [
         per_rank_zeros(f.shape if s else (0,), p.dtype, _axes(config))
         for p, f, s in zip(leaves, jax.tree_util.tree_leaves(full), flags)])
-
-
-def _is_default(name: str, value: Any) -> bool:
-    """Is ``value`` the default of :class:`SkipConfig`'s field ``name``?"""
-    default = _DEFAULTS[name]
-    return value is default or (type(value) is type(default) and value == default)
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig)}
-
-
-def _checked(config: SkipConfig) -> dict[str, Any]:
-    """``config``'s settings, each checked (and made a plain Python value)."""
-    num_skip, skip_ratio = config.num_skip, config.skip_ratio
-    if (num_skip is None) == (skip_ratio is None):
-        raise ValueError(
-            f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
-            f"(a fraction in [0, 1]); got num_skip={num_skip!r}, "
-            f"skip_ratio={skip_ratio!r}.")
-    num_skip = checks.check_int(num_skip, "num_skip", api=_API, minimum=0,
-                                allow_none=True, type_error=ValueError,
-                                allowed="an int >= 0 (or None)",
-                                what="(at most N - 1, checked at trace time)")
-    if skip_ratio is not None:
-        try:
-            skip_ratio = checks.check_real(skip_ratio, "skip_ratio", maximum=1.0)
-        except (TypeError, ValueError):
-            raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number "
-                             "in [0, 1].") from None
-    # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
-    # silently be the key of 5.
-    seed = checks.check_int(config.seed, "seed", api=_API, minimum=0,
-                            maximum=2**32 - 1, type_error=ValueError,
-                            allowed="in [0, 2**32) (an int)")
-    min_size = checks.check_int(config.min_size, "min_size", api=_API, minimum=0,
-                                type_error=ValueError)
-    warmup_steps = checks.check_int(config.warmup_steps, "warmup_steps", api=_API,
-                                    minimum=0, type_error=ValueError)
-    check_selective(config.selective, api=_API)
-    flags = {name: checks.check_bool(getattr(config, name), name, api=_API) for name in (
-        "randomize", "balanced", "error_feedback", "check_finite", "verify_sync",
-        "params_sharded")}
-    exact_radial = config.exact_radial
-    if exact_radial is not None:
-        exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
-    if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
-        raise ValueError(
-            f"{_API}: exact_radial=True works with replicated params and no "
-            "error feedback; pass error_feedback=False and params_sharded=False "
-            "(error feedback alone also removes the BatchNorm drift).")
-    chunks_per_rank, bucket_bytes = coll.check_sizes(
-        config.chunks_per_rank, config.bucket_bytes, api=_API)
-    return dict(
-        num_skip=num_skip, skip_ratio=skip_ratio, seed=seed, selective=config.selective,
-        min_size=min_size, warmup_steps=warmup_steps, exact_radial=exact_radial,
-        chunks_per_rank=chunks_per_rank, bucket_bytes=bucket_bytes,
-        accumulate_dtype=coll.check_accumulate_dtype(config.accumulate_dtype, api=_API),
-        comm_dtype=checks.check_comm_dtype(config.comm_dtype, api=_API),
-        layout=checks.check_choice(config.layout, "layout", LAYOUTS, api=_API),
-        **flags)
 
 
 def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
@@ -522,17 +398,12 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         return out, left_out
 
     def skipped(picked):
-        kw = dict(key=key, phase=phase, num_skip=num_skip,
-                  randomize=config.randomize, bucket_bytes=config.bucket_bytes)
         rs = [g for g, c in zip(picked, picked_scattered) if c]
         ar = [g for g, c in zip(picked, picked_scattered) if not c]
         ar_specs = (None if picked_specs is None else
                     [p for p, c in zip(picked_specs, picked_scattered) if not c])
-        ar_kw = dict(kw, inner_axis=config.inner_axis, specs=ar_specs,
-                     chunks_per_rank=config.chunks_per_rank,
-                     normalize=config.normalize,
-                     accumulate_dtype=config.accumulate_dtype,
-                     comm_dtype=config.comm_dtype, layout=config.layout)
+        ar_kw = dict(config=config, key=key, phase=phase, inner_axis=config.inner_axis,
+                     specs=ar_specs, normalize=config.normalize)
         if residuals is None:
             ar_out = coll.pmean_for_update(ar, config.axis_name, **ar_kw)
             if config.radial(params):
@@ -545,16 +416,14 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
         # different keys.
         rs_key, rs_phase = balanced_draw(
             base, skip_step, scatter_period(n, num_skip) if config.balanced else 1)
-        rs_kw = dict(kw, key=jax.random.fold_in(rs_key, 1 << 30), phase=rs_phase)
-        rs_kw = dict(rs_kw, inner_axis=config.inner_axis)
+        rs_key = jax.random.fold_in(rs_key, 1 << 30)
+        ring = ring_settings(config.axis_name, config.inner_axis, config, {}, api=_API)
         own, divisor = _owner_weight(n, num_skip, config)
-        rs_out = coll._scatter(rs, config.axis_name, scale=1.0 / (divisor * inner),
-                               accumulate_dtype=config.accumulate_dtype,
-                               comm_dtype=config.comm_dtype,
-                               api=_API, own_weight=own, **rs_kw)
+        rs_out = coll._scatter(rs, ring, key=rs_key, phase=rs_phase,
+                               scale=1.0 / (divisor * inner), own_weight=own)
         if residuals is None:
             return _merge(picked_scattered, rs_out, ar_out), None
-        mask = coll.scatter_contribution_mask(rs, config.axis_name, **rs_kw)
+        mask = coll.scatter_mask(rs, ring, key=rs_key, phase=rs_phase)
         rs_left = [jnp.where(m, 0, g) for m, g in zip(mask, rs)]
         return (_merge(picked_scattered, rs_out, ar_out),
                 _merge(picked_scattered, rs_left, ar_left))

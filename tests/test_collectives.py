@@ -358,7 +358,7 @@ def test_bad_flags_and_keywords():
     with pytest.raises(TypeError, match=r"skip_psum: rescale='yes' must be a bool"):
         _trace(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),
                                       num_skip=1, rescale="yes"))
-    with pytest.raises(TypeError, match=r"skip_pmean_and_left_out: .*'nomalize'"):
+    with pytest.raises(TypeError, match=r"skip_pmean_and_left_out\(\) .*'nomalize'"):
         _trace(lambda v: sr.skip_pmean_and_left_out(
             v, "i", key=jax.random.key(0), num_skip=1, nomalize="world"))
     # It takes (and shows) skip_pmean's parameters.

@@ -6,12 +6,14 @@ give the same transformation, the same bytes and the same fingerprint.
 """
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import bit_inputs, per_rank
 
 import skipreduce_jax as sr
 
@@ -20,7 +22,6 @@ OPTIONS = dict(skip_ratio=0.5, min_size=0, seed=7, warmup_steps=2, chunks_per_ra
 
 
 def test_the_fields_are_skip_reduces_options():
-    import inspect
     keywords = set(inspect.signature(sr.skip_reduce).parameters) - {
         "axis_name", "inner_axis", "config"}
     assert keywords == {f.name for f in dataclasses.fields(sr.SkipConfig)}
@@ -96,3 +97,93 @@ def test_an_optax_chain_built_from_one_config():
     config = sr.SkipConfig(skip_ratio=0.5, min_size=0)
     tx = optax.chain(sr.skip_reduce("data", config=config), optax.sgd(0.1))
     assert isinstance(tx.init({"w": jnp.zeros(4)})[0], sr.SkipReduceState)
+
+
+# ---------------------------------------------------------------------------
+# The collectives read a config's ring settings.
+# ---------------------------------------------------------------------------
+
+COLLECTIVES = ["skip_psum", "skip_pmean", "skip_pmean_and_left_out", "contribution_mask",
+               "skip_psum_scatter", "scatter_contribution_mask"]
+RING = dict(num_skip=3, chunks_per_rank=2, bucket_bytes=512, layout="units",
+            accumulate_dtype=jnp.float32, comm_dtype=jnp.bfloat16)
+
+
+def _keywords(api, settings):
+    """``settings`` (a SkipConfig's ring fields) as ``api``'s keywords."""
+    taken = inspect.signature(getattr(sr, api)).parameters
+    return {k: v for k, v in settings.items() if k in taken}
+
+
+def _tree(n, rng):
+    return {"w": rng.normal(size=(n, 16, 6)).astype(np.float32),
+            "b": rng.normal(size=(n, 24)).astype(np.float32)}
+
+
+def _on_ranks(api, tree, **kwargs):
+    key = jax.random.key(5)
+    return per_rank(lambda t: getattr(sr, api)(t, "i", key=key, **kwargs), tree, n=8)
+
+
+def _assert_same(got, want):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+@pytest.mark.parametrize("settings", [RING, dict(RING, randomize=False)],
+                         ids=["random", "static"])
+def test_a_collective_given_a_config_equals_its_keyword_form(api, settings):
+    tree = _tree(8, np.random.default_rng(1))
+    config = sr.SkipConfig(**settings, seed=9, min_size=0, error_feedback=True)
+    by_config = _on_ranks(api, tree, config=config)
+    _assert_same(by_config, _on_ranks(api, tree, **_keywords(api, settings)))
+    # The config's settings are read: another k gives another result.
+    fewer = _on_ranks(api, tree, config=dataclasses.replace(config, num_skip=1))
+    assert any(not np.array_equal(a, b) for a, b in zip(
+        jax.tree_util.tree_leaves(fewer), jax.tree_util.tree_leaves(by_config)))
+
+
+def test_the_config_s_wire_and_layout_are_read():
+    tree = _tree(8, np.random.default_rng(2))
+    config = sr.SkipConfig(**RING)
+    got = _on_ranks("skip_psum", tree, config=config)
+    for changed in (dict(comm_dtype=None), dict(layout="flat")):
+        other = _on_ranks("skip_psum", tree, config=dataclasses.replace(config, **changed))
+        assert not np.array_equal(other["w"], got["w"]), changed
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+def test_skip_ratio_is_resolved_against_the_axis_as_skip_reduce_does(api):
+    tree = _tree(8, np.random.default_rng(3))
+    by_ratio = _on_ranks(api, tree, config=sr.SkipConfig(skip_ratio=0.5))
+    _assert_same(by_ratio, _on_ranks(api, tree, num_skip=4))  # 0.5 of 7, half up
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+@pytest.mark.parametrize("keyword", [dict(num_skip=2), dict(randomize=False),
+                                     dict(bucket_bytes=1024)])
+def test_a_config_and_a_ring_keyword_together_are_refused(api, keyword):
+    with pytest.raises(TypeError, match=rf"^{api}: pass the settings as config= or as "
+                       rf"keyword options, not both \(got config and "
+                       rf"\['{next(iter(keyword))}'\]\); dataclasses.replace\(config"):
+        getattr(sr, api)(jnp.ones((8, 4)), "i", key=None,
+                         config=sr.SkipConfig(num_skip=1), **keyword)
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+def test_neither_num_skip_nor_a_config_is_refused(api):
+    with pytest.raises(TypeError, match=rf"^{api}: give num_skip= .* or config= "
+                                        r"\(a skipreduce_jax.SkipConfig\); got neither"):
+        getattr(sr, api)(jnp.ones((8, 4)), "i", key=None)
+    with pytest.raises(TypeError, match="config must be a skipreduce_jax.SkipConfig"):
+        getattr(sr, api)(jnp.ones((8, 4)), "i", key=None, config={"num_skip": 1})
+
+
+def test_a_keyword_left_at_its_default_defers_to_the_config():
+    tree = bit_inputs(8, 64)
+    config = sr.SkipConfig(num_skip=2, randomize=False)
+    got = _on_ranks("skip_psum", tree, config=config, randomize=True)
+    _assert_same(got, _on_ranks("skip_psum", tree, num_skip=2, randomize=False))

@@ -1,0 +1,219 @@
+"""SkipReduce's settings: :class:`SkipConfig`, and the ring settings of one call.
+
+The collectives read a config's ring fields (or their keywords) into one
+:class:`RingSettings` per call, axes bound and k resolved, which the ring
+code takes. A new ring setting is a field here and a keyword of the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from skipreduce_jax import _checks as checks
+from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
+from skipreduce_jax._schedule import skip_ratio_to_num_skip
+from skipreduce_jax._selection import check_selective
+
+_API = "skip_reduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipConfig:
+    """SkipReduce's settings, checked once, in one frozen object.
+
+    Its fields are :func:`skip_reduce`'s keyword options (described there),
+    without the mesh axes. :func:`skip_reduce`, :func:`value_and_grad` and
+    :func:`comm_stats` build one from their keywords, or take one as
+    ``config=``, so that one object carries a run's settings to each of
+    them; the collectives (:func:`skip_psum` and the others) read its ring
+    settings. Give exactly one of ``num_skip`` and ``skip_ratio``;
+    ``dataclasses.replace(config, ...)`` derives another, checked again.
+
+    Raises:
+      ValueError, TypeError: for a setting out of range, naming it.
+
+    Example:
+      >>> config = sr.SkipConfig(skip_ratio=0.5, min_size=0)
+      >>> tx = optax.chain(sr.skip_reduce("data", config=config), optax.sgd(0.1))
+      >>> round(sr.comm_stats({"w": jnp.zeros((1024, 1024))}, 8, config=config).ratio, 3)
+      0.714
+    """
+
+    num_skip: int | None = None
+    skip_ratio: float | None = None
+    seed: int = 0
+    randomize: bool = True
+    balanced: bool = True
+    selective: Any = None
+    min_size: int = 100_000
+    warmup_steps: int = 0
+    error_feedback: bool = False
+    exact_radial: bool | None = None
+    chunks_per_rank: int | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    accumulate_dtype: Any = None
+    check_finite: bool = False
+    params_sharded: bool = False
+    verify_sync: bool = False
+    comm_dtype: Any = None
+    layout: str = "flat"
+
+    def __post_init__(self):
+        # Plain Python values, so that equal settings have equal fingerprints.
+        for name, value in _checked(self).items():
+            object.__setattr__(self, name, value)
+
+
+SKIP_OPTIONS = tuple(f.name for f in dataclasses.fields(SkipConfig))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig)}
+# The fields a collective reads; the others are the optimizer's.
+RING_OPTIONS = ("num_skip", "skip_ratio", "randomize", "chunks_per_rank",
+                "bucket_bytes", "accumulate_dtype", "comm_dtype", "layout")
+
+
+def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
+                api: str) -> SkipConfig:
+    """``config``, or the one ``options`` (keywords of ``api``) build; not both."""
+    if config is None:
+        unknown = sorted(set(options) - set(SKIP_OPTIONS))
+        if unknown:
+            raise TypeError(f"{api}: unknown options {unknown}; SkipReduce's options "
+                            f"are {list(SKIP_OPTIONS)}.")
+        return SkipConfig(**options)
+    if not isinstance(config, SkipConfig):
+        raise TypeError(f"{api}: config must be a skipreduce_jax.SkipConfig, got "
+                        f"{type(config).__name__}.")
+    if options:
+        raise TypeError(
+            f"{api}: pass the settings as config= or as keyword options, not both "
+            f"(got config and {sorted(options)}); dataclasses.replace(config, ...) "
+            "changes some of them.")
+    return config
+
+
+def is_default(name: str, value: Any) -> bool:
+    """Is ``value`` the default of :class:`SkipConfig`'s field ``name``?"""
+    default = _DEFAULTS[name]
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def check_ring(values: dict[str, Any], *, api: str) -> dict[str, Any]:
+    """The ring settings of ``values`` but k, each checked (plain Python values)."""
+    return dict(
+        randomize=checks.check_bool(values["randomize"], "randomize", api=api,
+                                    meaning="False: static SkipReduce"),
+        chunks_per_rank=checks.check_int(
+            values["chunks_per_rank"], "chunks_per_rank", api=api, minimum=1,
+            allow_none=True, type_error=ValueError, what="(choose from the bucket size)"),
+        bucket_bytes=checks.check_int(values["bucket_bytes"], "bucket_bytes", api=api,
+                                      minimum=1, type_error=ValueError),
+        accumulate_dtype=checks.check_float_dtype(
+            values["accumulate_dtype"], "accumulate_dtype", api=api,
+            none="add in the gradients' dtype", example="jnp.float32"),
+        comm_dtype=checks.check_comm_dtype(values["comm_dtype"], api=api),
+        layout=checks.check_choice(values["layout"], "layout", LAYOUTS, api=api))
+
+
+def _checked(config: SkipConfig) -> dict[str, Any]:
+    """``config``'s settings, each checked (and made a plain Python value)."""
+    num_skip, skip_ratio = config.num_skip, config.skip_ratio
+    if (num_skip is None) == (skip_ratio is None):
+        raise ValueError(
+            f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
+            f"(a fraction in [0, 1]); got num_skip={num_skip!r}, "
+            f"skip_ratio={skip_ratio!r}.")
+    num_skip = checks.check_int(num_skip, "num_skip", api=_API, minimum=0,
+                                allow_none=True, type_error=ValueError,
+                                allowed="an int >= 0 (or None)",
+                                what="(at most N - 1, checked at trace time)")
+    if skip_ratio is not None:
+        try:
+            skip_ratio = checks.check_real(skip_ratio, "skip_ratio", maximum=1.0)
+        except (TypeError, ValueError):
+            raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number "
+                             "in [0, 1].") from None
+    # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
+    # silently be the key of 5.
+    seed = checks.check_int(config.seed, "seed", api=_API, minimum=0,
+                            maximum=2**32 - 1, type_error=ValueError,
+                            allowed="in [0, 2**32) (an int)")
+    min_size = checks.check_int(config.min_size, "min_size", api=_API, minimum=0,
+                                type_error=ValueError)
+    warmup_steps = checks.check_int(config.warmup_steps, "warmup_steps", api=_API,
+                                    minimum=0, type_error=ValueError)
+    check_selective(config.selective, api=_API)
+    flags = {name: checks.check_bool(getattr(config, name), name, api=_API) for name in (
+        "balanced", "error_feedback", "check_finite", "verify_sync", "params_sharded")}
+    exact_radial = config.exact_radial
+    if exact_radial is not None:
+        exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
+    if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
+        raise ValueError(
+            f"{_API}: exact_radial=True works with replicated params and no "
+            "error feedback; pass error_feedback=False and params_sharded=False "
+            "(error feedback alone also removes the BatchNorm drift).")
+    return dict(
+        num_skip=num_skip, skip_ratio=skip_ratio, seed=seed, selective=config.selective,
+        min_size=min_size, warmup_steps=warmup_steps, exact_radial=exact_radial,
+        **check_ring(vars(config), api=_API), **flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSettings:
+    """What one collective call runs with: its bound axes and ring settings.
+
+    Built by :func:`ring_settings`, checked; ``n`` and ``inner`` are the
+    sizes N and L of ``axis_name`` and ``inner_axis`` (1 without), and
+    ``num_skip`` is k, resolved against N. ``api`` names the call in errors.
+    """
+
+    api: str
+    axis_name: str
+    inner_axis: str | None
+    n: int
+    inner: int
+    num_skip: int
+    randomize: bool
+    chunks_per_rank: int | None
+    bucket_bytes: int
+    accumulate_dtype: np.dtype | None
+    comm_dtype: np.dtype | None
+    layout: str
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The reduced axes: ``axis_name``, then ``inner_axis`` if any."""
+        return (self.axis_name,) + ((self.inner_axis,) if self.inner_axis else ())
+
+
+def ring_settings(axis_name: Any, inner_axis: Any, config: SkipConfig | None,
+                  keywords: dict[str, Any], *, api: str) -> RingSettings:
+    """The :class:`RingSettings` of one call of ``api`` (its axes bound).
+
+    ``keywords``: the call's ring-setting keywords (other names are ignored).
+    With a ``config`` they must be at their defaults: the config gives them.
+    Without one, ``num_skip`` must be given.
+    """
+    values = {**_DEFAULTS, **{k: v for k, v in keywords.items() if k in RING_OPTIONS}}
+    if config is not None:
+        skip_config(config, {k: v for k, v in keywords.items()
+                             if k in RING_OPTIONS and not is_default(k, v)}, api=api)
+        values = vars(config)
+    elif values["num_skip"] is None:
+        raise TypeError(
+            f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or config= "
+            "(a skipreduce_jax.SkipConfig); got neither.")
+    n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
+    num_skip = resolve_num_skip(values["num_skip"], values["skip_ratio"], n, api=api)
+    return RingSettings(api, axis_name, inner_axis, n, inner, num_skip,
+                        **check_ring(values, api=api))
+
+
+def resolve_num_skip(num_skip: Any, skip_ratio: float | None, n: int, *, api: str) -> int:
+    """The k of ``n`` ranks: ``skip_ratio`` of N - 1 steps (rounded half up), or ``num_skip``."""
+    if skip_ratio is not None:
+        return skip_ratio_to_num_skip(skip_ratio, n)
+    return checks.check_num_skip(num_skip, n, api=api)
