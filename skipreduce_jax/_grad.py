@@ -90,64 +90,27 @@ def value_and_grad(
 
     Use it inside your own ``jax.jit`` step in place of
     ``jax.value_and_grad``; the optimizer, its state and the loop stay as
-    they are. The returned function takes the global arrays ``fun`` takes
-    and returns global arrays, as ``jax.value_and_grad`` does:
+    they are. It takes and returns global arrays. ``fun`` is traced once as
+    plain ``jax.jit`` code and runs on each rank's rows of the batch
+    (arguments not in ``argnums``, or ``batch_argnums``; closed-over arrays
+    that are the batch too), manual over ``axis_name`` only; the local
+    gradients are averaged by :func:`skip_reduce` with ``skip_options``.
 
-    - Arguments in ``argnums`` are the params: replicated over
-      ``axis_name`` (any layout over other mesh axes). Arguments in
-      ``batch_argnums`` (default: every other positional argument) are split
-      over ``axis_name`` along their leading dimension, which must divide by
-      the number of ranks; the rest are passed to every rank whole.
-    - ``fun`` is traced once as plain ``jax.jit`` code (its sharding
-      constraints, flax modules and closures as you wrote them) and runs on
-      each rank's rows, manual over ``axis_name`` only (over the other mesh
-      axes it stays GSPMD code; constraints lose the data axes). The local
-      gradients are averaged by :func:`skip_reduce` with ``skip_options``:
-      the grads are identical on every rank and keep the params' layouts;
-      with ``num_skip=0`` they are ``jax.value_and_grad``'s on the global
-      batch (for a loss that is a mean over equal shares of it, or that
-      divides by :func:`mean_count`).
-    - The value is the mean over ranks. An ``aux`` leaf that is a sum over
-      the batch's rows (``jnp.sum`` over its leading axis: a token count, a
-      summed loss; cast, added to another such sum or scaled by a constant;
-      not divided by a :func:`mean_count`) comes back summed over ranks,
-      ints included; any other leaf
-      that depends on the batch, the mean over ranks; one that does not,
-      as it is. :class:`PerRank` leaves (``PerRank(logits)``) come back as
-      every rank's rows in the global batch's order. A non-float leaf that
-      is not a sum is refused, and one with a row per example of the
-      rank's batch is averaged with a warning naming :class:`PerRank`.
-    - A loss that divides by a count from its batch (tokens, weights)
-      divides by :func:`mean_count` of it: exact on padded batches. One
-      divided by the global batch's rows (``jnp.sum(err) / 64.0``) warns
-      (:class:`GlobalDivisorWarning`): write ``/ mean_count(64.0)``.
-    - A loss may close over the batch (``get_loss_fn(batch)``, a
-      ``def loss_fn(params)`` in the step, ``functools.partial``): with no
-      batch argument, the closed-over arrays whose leading dimension divides
-      by the ranks, if they share one and none is indexed into; beside batch
-      arguments, those whose layout splits their rows over the data axis.
-      They are split like the batch, through a copy of ``fun`` over each
-      rank's rows (``fun`` itself is untouched). Any other with the batch's
-      leading dimension, a table indexed into, or a batch out of reach (a
-      global, an object's attribute) is refused, naming the fix.
-    - Called outside ``jax.jit`` it is jitted once and the program reused.
-
-    On a mesh with Explicit axes (``jax.make_mesh``'s default) run the jitted
-    step under ``jax.set_mesh(mesh)``, as JAX asks of such meshes; the
-    grads are pinned to the params' layouts. A loss written for those axes
-    (``jax.sharding.reshard``, ``out_sharding=``, a constraint equal to a
-    value's type) runs as written: it is traced as one rank's jit sees it,
-    on the mesh with the data axes of size 1, and each layout is applied
-    per rank without the data axes. Code plain ``jax.jit`` refuses is
-    refused with JAX's error; a ``jax.custom_vjp`` in such a loss is
-    refused by name (its backward rule cannot run per rank there).
-
-    It keeps no state. The key of each step is derived from ``seed`` (a
-    ``skip_reduce`` option) and ``step`` exactly as :func:`skip_reduce`
-    derives it from its step count, and warm-up is decided from ``step``;
-    so the same step numbers drop the same contributions. Options that carry
-    state from step to step (``error_feedback``) are refused: use
-    ``skip_reduce`` in the optimizer chain for those.
+    - The grads are identical on every rank, in the params' layouts; at
+      ``num_skip=0`` they are ``jax.value_and_grad``'s for a loss that is a
+      mean, or that divides by :func:`mean_count` of a count.
+    - The value is the mean over ranks; an ``aux`` leaf that is a sum over
+      the batch's rows (a count) the sum; :class:`PerRank` leaves every
+      rank's rows in the global batch's order.
+    - What is refused or warned of, and why (a batch out of reach, a
+      divisor of the global batch's size, nothing to split, a
+      ``jax.custom_vjp`` beside Explicit layouts): the table in
+      :doc:`jit loop </guides/jit-loop>`.
+    - Under Explicit axes run the step under ``jax.set_mesh(mesh)``; a loss
+      written for them (``reshard``, ``out_sharding=``) runs as written.
+    - It keeps no state: the key and warm-up come from ``seed`` and
+      ``step``, as :func:`skip_reduce` derives them from its count; options
+      that carry state (``error_feedback``) are refused.
 
     Args:
       fun: the loss, as for ``jax.value_and_grad``, written for the global
@@ -168,23 +131,12 @@ def value_and_grad(
         params' part of the ``in_shardings`` given to ``jax.jit``), so that
         the skipped ring runs on each device's shards and nothing crosses
         those axes. Under Explicit mesh axes it is read from the params'
-        types. Under Auto axes the layout is unknown inside ``jax.jit``
-        unless given: without it, with ``num_skip > 0``, the compiler
-        gathers sharded leaves over those axes before the ring, and the
-        grads come back replicated over them (the same values; on the
-        (replica=4, fsdp=2) mesh of the tests, twice the bytes over
-        ``replica`` and 21 kB more over ``fsdp``).
-      microbatches: gradient accumulation inside the step: each rank cuts
-        its rows into this many micro-batches (row ``i`` into micro-batch
-        ``i % microbatches``), sums their gradients in a ``lax.scan`` and
-        reduces the sum once, so one accumulated step costs one ring. The
-        value and grads are the means over micro-batches (with
-        :func:`mean_count`, of each micro-batch's global mean: on padded
-        batches whose micro-batches hold different counts that differs from
-        the mean over the whole step); each ``aux`` leaf comes back stacked,
-        one entry per micro-batch (leading axis ``microbatches``), to be
-        summed or averaged as it means; :class:`PerRank` leaves as rows in
-        the global batch's order.
+        types. Under Auto axes, without it, the compiler gathers sharded
+        leaves before the ring (the same values, more bytes; a warning says so).
+      microbatches: gradient accumulation inside the step, one ring per
+        step (:doc:`gradient accumulation </guides/gradient-accumulation>`):
+        each rank's row ``i`` goes to micro-batch ``i % microbatches``; each
+        ``aux`` leaf comes back stacked, one entry per micro-batch.
       config: the skip settings as a :class:`SkipConfig` (or as keywords).
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
