@@ -41,9 +41,11 @@ from skipreduce_jax._replay import closed_over, divisor, replay, trace
 from skipreduce_jax._transform import (
     NothingSkippedWarning,
     SkipConfig,
+    _Config,
     skip_config,
     skip_reduce,
 )
+from skipreduce_jax._transform import _update as skip_update
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
@@ -215,6 +217,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     config = _check_options(config, skip_options)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
                      config=config)
+    settings = _Config.of(config, axes[0], axes[1] if len(axes) == 2 else None)
     params_at = positions(argnums, "argnums", api=_API)
     given_batch = (None if batch_argnums is None
                    else positions(batch_argnums, "batch_argnums", api=_API))
@@ -351,9 +354,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         def reduce(step, local_params, grads, outs):
             """The ring over the ranks' gradients; the mean of their values."""
             grads = jax.tree_util.tree_map(lambda g: g[0], grads)
-            with _shards.hints(jax.tree_util.tree_leaves(local_params), specs):
-                state = tx.init(local_params)._replace(count=step)
-                grads, _ = tx.update(grads, state, local_params)
+            state = tx.init(local_params)._replace(count=step)
+            grads, _ = skip_update(settings, grads, state, local_params, specs=specs)
             return [lax.psum(x[0], axes) if total else
                     _mean_over_ranks(x[0], path, axes, rows if not _under(path, state_path)
                                      else set())

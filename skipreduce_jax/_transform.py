@@ -345,8 +345,13 @@ def _check_ring_input(leaves: list[jax.Array], key: jax.Array, phase: jax.Array,
             "rank).")
 
 
-def _update(config: _Config, updates: Any, state: SkipReduceState,
-            params: Any) -> tuple[Any, SkipReduceState]:
+def _update(config: _Config, updates: Any, state: SkipReduceState, params: Any,
+            specs: list[Any] | None = None) -> tuple[Any, SkipReduceState]:
+    """The reduction core: local gradients to reduced ones, and the next state.
+
+    ``specs``: the params' layouts over the compiler's axes, one per leaf
+    (None: from their types, or from what ``data_parallel`` records).
+    """
     n, inner = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
     num_skip = config.resolve_num_skip(n)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
@@ -387,7 +392,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState,
     picked_scattered = [c for c, s in zip(scattered, skippable) if s]
     # How params are sharded over the compiler's axes, where the training
     # helpers recorded it (their gradients are sharded alike).
-    param_specs = _shards.specs_of_params(params)
+    param_specs = specs if specs is not None else _shards.specs_of_params(params)
     picked_specs = (None if param_specs is None or len(param_specs) != len(leaves)
                     else [p for p, s in zip(param_specs, skippable) if s])
 
