@@ -493,7 +493,7 @@ def _closed_over_batch(consts: Sequence[Any], rows: set[int], axes: tuple[str, .
     rows); else refused.
     """
     closed = [c for c in consts if np.ndim(c) and (
-        isinstance(c, jax.core.Tracer) or _rows_split(c, axes))]
+        isinstance(c, jax.core.Tracer) or _shown_split(c, axes))]
     if rows:
         return [c for c in closed if c.shape[0] in rows and _shown_split(c, axes)]
     closed = [c for c in closed if c.shape[0] % ranks == 0]
@@ -515,9 +515,11 @@ def _closed_over_batch(consts: Sequence[Any], rows: set[int], axes: tuple[str, .
 
 def _shown_split(x: Any, axes: tuple[str, ...]) -> bool:
     """Does ``x``'s layout (placed, or an Explicit type) split its rows over ``axes``?"""
-    spec = _type_spec(x)
-    return _rows_split(x, axes) or bool(
-        spec is not None and len(spec) and set(_shards.spec_axes(P(spec[0]))) & set(axes))
+    sharding = getattr(x, "sharding", None)
+    spec = (sharding.spec if isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
+            else _type_spec(x))
+    return bool(spec is not None and len(spec)
+                and set(_shards.spec_axes(P(spec[0]))) & set(axes))
 
 
 def _indexed(jaxpr: Any, consts: Sequence[Any]) -> set[int]:
@@ -540,14 +542,6 @@ def _indexed(jaxpr: Any, consts: Sequence[Any]) -> set[int]:
 
     visit(jaxpr, of)
     return found
-
-
-def _rows_split(x: Any, axes: tuple[str, ...]) -> bool:
-    """Is ``x`` an array whose leading dimension is split over ``axes``?"""
-    sharding = getattr(x, "sharding", None)
-    return (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
-            and len(sharding.spec) > 0
-            and bool(set(_shards.spec_axes(P(sharding.spec[0]))) & set(axes)))
 
 
 def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
