@@ -1,13 +1,7 @@
 """A loss that closes over the batch, made a function of it (nothing patched).
 
-``def loss_fn(params): ... batch ...`` and ``get_loss_fn(batch)`` close
-over the caller's traced batch. Inside a ``shard_map`` such an array would
-reach every rank whole. :func:`with_args` returns a *copy* of the function
-whose closed-over arrays are arguments instead: the same code object over
-new cells, defaults and ``functools.partial`` arguments, built again around
-the new values. The user's function and the objects it holds are left as
-they are; a closure this does not reach (a global, an attribute of an object)
-stays closed over, and the caller refuses it by name.
+:func:`with_args` copies the function over new cells, defaults and
+``functools.partial`` arguments; the user's function is left as it is.
 """
 
 from __future__ import annotations
@@ -23,11 +17,7 @@ _DEPTH = 8  # how deep closures of closures are followed
 
 
 def with_args(fun: Callable[..., Any], targets: Sequence[Any]) -> Callable[..., Any]:
-    """``fun`` with the arrays ``targets`` (by identity) taken as a last argument.
-
-    Returns ``g(*args, values)``, which calls a copy of ``fun`` in which
-    each closed-over ``targets[i]`` is ``values[i]``.
-    """
+    """``g(*args, values)``: a copy of ``fun`` whose closed-over ``targets[i]`` is ``values[i]``."""
     at = {id(t): i for i, t in enumerate(targets)}
 
     def g(*args_and_values):

@@ -1,11 +1,4 @@
-"""Micro-batches: local gradients summed over slices of the batch, reduced once.
-
-Gradient accumulation as MaxText does it inside one step: each rank cuts
-its own rows into ``microbatches`` slices, sums their gradients in a
-``lax.scan`` (one slice's activations live at a time), and the sum is
-reduced once, so the ring runs once per accumulated step and its key is
-that step's.
-"""
+"""Micro-batches: local gradients summed over slices of the batch, reduced once."""
 
 from __future__ import annotations
 
@@ -23,14 +16,9 @@ _API = "value_and_grad"
 
 def accumulate(grad: Callable[..., Any], args: Sequence[Any], batch: Sequence[int],
                microbatches: int, *, has_aux: bool) -> tuple[Any, Any]:
-    """``grad(*args)``, or summed over ``microbatches`` slices of the batch.
+    """``grad(*args)``, or averaged over ``microbatches`` slices of each rank's rows.
 
-    Micro-batch ``j`` holds the rows ``i`` with ``i % microbatches == j`` of
-    each batch argument, so each rank cuts its own rows and nothing moves
-    between devices. The grads are the mean over micro-batches and so is
-    the value; each aux leaf comes back stacked, one entry per micro-batch
-    (leading axis ``microbatches``): a sum or mean over it is the caller's
-    to take.
+    The value is averaged too; each aux leaf comes back stacked, one entry per micro-batch.
     """
     if microbatches == 1:
         return grad(*args)

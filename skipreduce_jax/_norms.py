@@ -1,13 +1,7 @@
 """BatchNorm under skipping: which leaves belong to a norm, and the warning.
 
-With batch statistics averaged over the data axis, the loss does not change
-along a BatchNorm's input bias and scale, so the *summed* gradient of the
-leaves that feed it is zero there, while each rank's own gradient is not.
-Skipping part of that sum leaves a zero-mean residue with no restoring
-force: those leaves random-walk and the running statistics lag behind them
-(``benchmarks/convergence.md``). ``skip_reduce``'s ``exact_radial`` removes
-the drift, and is on by default when :func:`in_batchnorm` finds a norm;
-:func:`warn_if_batchnorm` says so once, at ``init``, when it is turned off.
+Skipped leaves that feed a BatchNorm random-walk (``benchmarks/convergence.md``);
+``skip_reduce``'s ``exact_radial`` removes the drift.
 """
 
 from __future__ import annotations
@@ -21,12 +15,10 @@ from typing import Any
 
 import jax
 
-# flax.linen names its modules BatchNorm_0, BatchNorm_1, ... (an NNX
-# attribute name says nothing about the layer's axis_name: its type decides).
+# flax.linen's module names (BatchNorm_0, ...); NNX layers are known by type.
 _BATCHNORM = re.compile(r"BatchNorm")
 
-# Set by skipreduce_jax.nnx.init_optimizer: the module paths of the model's
-# nnx.BatchNorm layers that average over an axis (None: not known, match names).
+# The paths of the nnx.BatchNorm layers set by nnx.init_optimizer (None: match names).
 _MODULE_PATHS: contextvars.ContextVar[tuple[tuple[Any, ...], ...] | None] = \
     contextvars.ContextVar("skipreduce_batchnorm_paths", default=None)
 
@@ -37,13 +29,7 @@ class BatchNormWarning(UserWarning):
 
 @contextlib.contextmanager
 def batchnorm_modules(paths: Sequence[tuple[Any, ...]]) -> Iterator[None]:
-    """Within the block, the BatchNorm layers are exactly those at ``paths``.
-
-    Args:
-      paths: module paths (tuples of attribute names and indices), e.g.
-        ``[("bn",), ("blocks", 0, "norm")]``; empty if the model has none
-        that averages over an axis.
-    """
+    """Within the block, the BatchNorm layers are those at ``paths``, e.g. ``[("bn",)]``."""
     token = _MODULE_PATHS.set(tuple(tuple(p) for p in paths))
     try:
         yield
@@ -76,16 +62,7 @@ def in_batchnorm(tree: Any) -> list[bool]:
 
 
 def warn_if_batchnorm(tree: Any, skippable: Sequence[bool], *, api: str) -> bool:
-    """Warns if ``tree`` has BatchNorm leaves and any other leaf may be skipped.
-
-    Args:
-      tree: the params (or gradients).
-      skippable: one bool per leaf, True where skipping is allowed.
-      api: the function named in the message.
-
-    Returns:
-      Whether it warned.
-    """
+    """Warns, returning True, if ``tree`` has BatchNorm leaves and a ``skippable`` other."""
     norm = in_batchnorm(tree)
     if not any(norm):
         return False

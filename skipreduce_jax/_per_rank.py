@@ -1,20 +1,8 @@
 """The per-rank protocol shared by ``skip_reduce`` and ``skipreduce_jax.contrib``.
 
-Gradient transformations that replace the data-parallel all-reduce take each
-rank's LOCAL gradients, and some keep state that differs per rank (error
-feedback). The protocol:
-
-- :func:`check_local` refuses gradients that autodiff already summed;
-- a NamedTuple state names its per-rank fields in a ``per_rank_fields``
-  class attribute; each leaf there has a leading axis of size 1 inside
-  ``shard_map`` (one row per rank, stacked along the data axis outside);
-- ``optax.MultiStepsState`` is known by type: its accumulator
-  ``acc_grads`` is per rank when the optimizer it wraps holds such state
-  (``skip_reduce``), for it then sums local gradients;
-- :func:`per_rank_zeros` builds such a leaf, typed varying when it can be;
-- ``state_specs`` / ``init_opt_state`` / ``data_parallel`` place those
-  fields with :func:`per_rank_names` (per-rank states may nest: a
-  ``MultiStepsState`` holds a ``SkipReduceState``).
+A NamedTuple state names its per-rank fields in a ``per_rank_fields`` class
+attribute (each leaf a row of size 1 per rank inside ``shard_map``); an
+``optax.MultiStepsState`` around such state has a per-rank ``acc_grads``.
 """
 
 from __future__ import annotations
@@ -67,12 +55,7 @@ def check_local(leaves: Sequence[jax.Array], axis_name: str,
 
 def per_rank_zeros(shape: Sequence[int], dtype: Any, axes: tuple[str, ...]
                    ) -> jax.Array:
-    """Zeros of ``(1, *shape)``: one rank's row of a per-rank state leaf.
-
-    Typed varying over ``axes`` inside a ``shard_map`` with
-    ``check_vma=True``; plain zeros elsewhere (``tx.init`` outside
-    ``shard_map``, ``jax.eval_shape``).
-    """
+    """Zeros of ``(1, *shape)``, typed varying over ``axes`` where ``shard_map`` checks it."""
     zeros = jnp.zeros((1,) + tuple(shape), dtype)
     try:
         checked = vma_checked(axes[0])
@@ -82,11 +65,7 @@ def per_rank_zeros(shape: Sequence[int], dtype: Any, axes: tuple[str, ...]
 
 
 def per_rank_fields(node: Any) -> tuple[str, ...]:
-    """The per-rank field names of a NamedTuple state (else ``()``).
-
-    Those its ``per_rank_fields`` class attribute declares, and the
-    accumulator of an ``optax.MultiStepsState`` that wraps per-rank state.
-    """
+    """The per-rank field names of a NamedTuple state (else ``()``)."""
     if isinstance(node, optax.MultiStepsState):
         return ("acc_grads",) if _holds_per_rank(node.inner_opt_state) else ()
     if isinstance(node, tuple) and hasattr(node, "_fields"):
@@ -101,12 +80,7 @@ def _holds_per_rank(tree: Any) -> bool:
 
 
 def per_rank_names(tree: Any) -> Any:
-    """``tree`` with each leaf replaced by its per-rank field's name, or ``""``.
-
-    Per-rank states may nest (a ``MultiStepsState`` around a
-    ``SkipReduceState``): the fields a state does not declare are searched
-    in turn.
-    """
+    """``tree`` with each leaf replaced by its per-rank field's name, or ``""`` (states nest)."""
     def visit(node):
         fields = per_rank_fields(node)
         if not fields:
