@@ -14,14 +14,8 @@ the data axis, the update inside ``jax.shard_map`` with ``check_vma=True``)::
 
 Inside the step, :func:`local_value_and_grad` casts the replicated params to
 varying first, so autodiff does not sum the gradients over the data axis:
-``skip_reduce`` is then the only reduction. Error-feedback residuals are the
-one part of the state that differs per rank; :func:`state_specs` gives them a
-leading data-axis dimension outside ``shard_map``. For a step of your own
-(aux outputs, keys, a flax ``TrainState``), see :func:`data_parallel`.
-
-On simulated CPU devices (``--xla_force_host_platform_device_count``), read
-a result (e.g. ``float(loss)``) at least every few dozen steps: with too many
-steps queued, XLA's in-process collectives time out waiting for each other.
+``skip_reduce`` is then the only reduction. For a step of your own (aux
+outputs, keys, a flax ``TrainState``), see :func:`data_parallel`.
 """
 
 from __future__ import annotations
@@ -125,13 +119,7 @@ def local_value_and_grad(
 def per_rank_value_and_grad(fun: Callable[..., Any], args: Sequence[Any],
                             kwargs: dict[str, Any], axes: tuple[str, ...], *,
                             argnums: int | Sequence[int], has_aux: bool) -> Any:
-    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed.
-
-    Where JAX refuses the loss's layouts inside the step (a constraint naming
-    a data axis, flax's partitioned kernels), it is traced as plain jit code
-    on this rank's arguments and replayed, its constraints without the data
-    axes.
-    """
+    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed."""
     try:
         return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
     except ValueError as e:
@@ -217,10 +205,8 @@ def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
 def replicate(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Copies every leaf onto every device of ``mesh`` (``P()``).
 
-    The copy never aliases ``tree``, so the step may donate it (``device_put``
-    alone can reuse a single-device buffer as one of the replicas). In a
-    multi-process job every process must pass the same values; each process
-    places its own copies on its own devices.
+    The copy never aliases ``tree``, so the step may donate it. In a
+    multi-process job every process must pass the same values.
     """
     return jax.tree_util.tree_map(
         lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
@@ -338,8 +324,6 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
         _check_per_rank_axes(state, axes, mesh.axis_names)
         return state
 
-    # The step's own machinery: params keep their layout over other mesh
-    # axes, per-rank fields get a row per rank, the rest is replicated.
     opt_state = build_step(local_init, mesh, axes, batch_argnums=(),
                            static_argnums=(), donate_argnums=(),
                            api="init_opt_state", manual_axes="unsharded")(params)
@@ -410,23 +394,15 @@ def make_train_step(
     :func:`init_opt_state`): one reduction per k calls.
 
     FSDP (params placed by :func:`shard_params`, ``skip_reduce(...,
-    params_sharded=True)``): the loss sees whole params. With
-    ``gather="whole"`` every block is gathered once at the start of the
-    step and autodiff keeps the gathered copies for the backward pass: the
-    peak holds all gathered params (the whole model) plus the activations.
-    With ``gather="per_leaf"`` each leaf is gathered on its own and gathered
+    params_sharded=True)``): the loss sees whole params. ``gather="whole"``
+    keeps every gathered block for the backward pass (the whole model plus
+    the activations at the peak). ``gather="per_leaf"`` gathers each leaf
     again in the backward pass (``jax.checkpoint`` recomputes only the
-    gathers, as PyTorch FSDP's ``reshard_after_forward``), so a gathered
-    copy can be freed after its last use in each pass: the peak can drop to
-    about one leaf's gathered copy plus the activations, for one more
-    all-gather of the params per step ((N-1)/N of each leaf the backward
-    pass reads). Whether it does is the compiler's schedule (README, "FSDP
-    over the data axis"): compiled for a 4-slice TPU v5e pod it cut the
-    temporaries from 52 to 15 MiB, for 2 x 8 H100s not at all, and XLA:CPU
-    merges the two gathers unless told otherwise. With ``num_skip > 0``
-    give ``skip_reduce`` a ``bucket_bytes`` no larger than a leaf, or the
-    gradients of one bucket are all live at once. Without FSDP-sharded
-    params ``"per_leaf"`` changes nothing.
+    gathers, as PyTorch FSDP's ``reshard_after_forward``): the peak can drop
+    to about one leaf's gathered copy plus the activations, if the
+    compiler's schedule allows (README, "FSDP over the data axis"). With
+    ``num_skip > 0`` give ``skip_reduce`` a ``bucket_bytes`` no larger than
+    a leaf. Without FSDP-sharded params ``"per_leaf"`` changes nothing.
 
     Args:
       loss_fn: ``(params, batch) -> scalar`` on one rank's part of the batch.
@@ -458,8 +434,6 @@ def make_train_step(
                                     minimum=1, type_error=ValueError)
     gather = checks.check_choice(gather, "gather", _GATHER_MODES, api="make_train_step")
     per_leaf = gather == "per_leaf"
-    # Differentiated: the whole params (per_leaf: zeros standing in for the
-    # FSDP blocks' whole copies, gathered again inside the loss).
     value_and_grad = local_value_and_grad(
         _regathering(loss_fn, axes) if per_leaf else _ignoring_blocks(loss_fn), axes)
 
@@ -478,8 +452,6 @@ def make_train_step(
         return jax.tree_util.tree_map(lambda x: x / microbatches, total)
 
     def local_step(params, opt_state, batch):
-        # FSDP: params sharded over the data axis arrive as this rank's
-        # blocks; the loss sees them whole, the update is this rank's block.
         whole = jax.tree_util.tree_map(
             lambda p: _stand_in(p, axes) if per_leaf else _gather_block(p, axes), params)
         loss, grads = local_value_and_grads(whole, params, batch)
@@ -498,15 +470,11 @@ _GATHER_MODES = {
     "whole": "every FSDP block gathered once, kept for the backward pass",
     "per_leaf": "each gathered again in the backward pass",
 }
-# The name of the gathered FSDP params, which the backward pass recomputes.
 _GATHERED = "skipreduce_fsdp_gathered"
 
 
 def _is_block(param: jax.Array, axes: tuple[str, ...]) -> bool:
-    """Is ``param`` this rank's block over the data axes (FSDP)?
-
-    Hierarchical FSDP blocks are those of ``P((outer, inner))``.
-    """
+    """Is ``param`` this rank's block over the data axes (FSDP)?"""
     vary = varying_axes(param)
     if axes[0] not in vary:
         return False
@@ -519,23 +487,15 @@ def _is_block(param: jax.Array, axes: tuple[str, ...]) -> bool:
     return True
 
 
-def _gather_axes(axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    return axes if len(axes) > 1 else axes[0]
-
-
 def _gather_block(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """A param whole: gathered if it is this rank's block over the data axes."""
     if not _is_block(param, axes):
         return param
-    return lax.all_gather(param, _gather_axes(axes), tiled=True)
+    return lax.all_gather(param, axes if len(axes) > 1 else axes[0], tiled=True)
 
 
 def _stand_in(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Zeros shaped like a block's whole param (never filled), else ``param``.
-
-    Differentiated in place of the whole param: ``_grad_into`` hands it the
-    whole param's gradient.
-    """
+    """Zeros shaped like a block's whole param (never filled), else ``param``."""
     if not _is_block(param, axes):
         return param
     shape = (param.shape[0] * math.prod(lax.axis_size(a) for a in axes),) + param.shape[1:]
@@ -551,18 +511,12 @@ def _ignoring_blocks(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable[..., 
 
 def _regathering(loss_fn: Callable[[Any, Any], jax.Array],
                  axes: tuple[str, ...]) -> Callable[..., jax.Array]:
-    """``loss_fn`` on blocks gathered one by one, and again for the backward.
-
-    The remat policy saves everything but the gathered params (named
-    ``_GATHERED``) and the all-gathers over the data axis that make them:
-    the backward pass gathers each block once more from the block itself,
-    instead of keeping the whole model live between the passes.
-    """
+    """``loss_fn`` on blocks gathered one by one, and again for the backward."""
     def policy(prim, *_, **params):
         if prim.name == "name":
             return params.get("name") != _GATHERED
         return not (prim.name == "all_gather"
-                    and params.get("axis_name") == as_tuple(_gather_axes(axes)))
+                    and params.get("axis_name") == axes)
 
     def loss(stand_ins, blocks, batch):
         def whole(stand_in, block):
@@ -577,11 +531,7 @@ def _regathering(loss_fn: Callable[[Any, Any], jax.Array],
 
 @jax.custom_vjp
 def _grad_into(value: jax.Array, stand_in: jax.Array) -> jax.Array:
-    """``value``, whose gradient goes to ``stand_in`` (no sum over the axis).
-
-    Differentiating through the gather itself would reduce-scatter the
-    gradient; this leaves the reduction to ``tx``.
-    """
+    """``value``, whose gradient goes to ``stand_in`` (no sum over the axis)."""
     del stand_in
     return value
 
@@ -591,11 +541,7 @@ _grad_into.defvjp(lambda value, stand_in: (value, None),
 
 
 def _check_reduced(updates: Any, axes: tuple[str, ...], params: Any) -> None:
-    """Refuses updates that still differ by rank (``tx`` reduced nothing).
-
-    The update of an FSDP block (a param that varies over the data axis) is
-    that rank's own.
-    """
+    """Refuses updates that still differ by rank, except FSDP blocks' own."""
     blocks = [axes[0] in varying_axes(p) for p in jax.tree_util.tree_leaves(params)]
     with_paths = jax.tree_util.tree_leaves_with_path(updates)
     if len(blocks) != len(with_paths):
