@@ -661,37 +661,23 @@ def data_parallel(
 
     Each call places the arguments first: batch leaves (numpy or jax arrays)
     are split along their leading dimension, which must divide by the
-    number of ranks; per-rank state is split by rows; everything else is
-    copied to every device unless already there (an array on ``mesh``
-    sharded over other axes only is left as it is). Outputs are placed so
-    that feeding them back moves nothing.
+    number of ranks (in a multi-process job a host batch is this process's
+    part, as for :func:`shard_batch`); per-rank state is split by rows;
+    everything else is copied to every device unless already there. An
+    argument sharded over other mesh axes keeps that layout (those axes stay
+    with the compiler), and one whose rows are split over the data axes
+    (FSDP / ZeRO) enters as this rank's block. An output with the structure
+    of an argument comes back in its layout, so feeding it back moves
+    nothing.
 
-    Sharded layouts: an argument sharded over other mesh axes keeps that
-    layout (those axes stay with the compiler; ``skip_reduce`` is told the
-    params' specs and reduces each device's shard), and one whose rows are
-    split over the data axes (FSDP / ZeRO) enters as this rank's block. An
-    output with the structure of an argument (params, optimizer state, a
-    TrainState) comes back in that argument's layout.
-
-    A loss given to :func:`local_value_and_grad` may hold pjit code: a
-    ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` of
-    the global mesh, flax linen ``DenseGeneral`` kernels with several
-    features under ``nn.with_partitioning``. On Auto axes it is replayed
-    per rank with the data axes dropped from each ``spec`` (this rank's part
-    of ``x`` is laid out over the other axes as ``spec`` says; see
-    docs/design.md). In the step's own body, constrain without the data
-    axes.
-
-    In a multi-process job a host batch is this process's part of the
-    global batch, as for :func:`shard_batch`.
+    A loss given to :func:`local_value_and_grad` may hold pjit code (see
+    there); in the step's own body, constrain without the data axes.
 
     The call runs under ``jax.set_mesh(mesh)`` unless a mesh is already set.
-    With a mesh from ``jax.make_mesh`` (Explicit axes), code outside the
-    step that uses its outputs, e.g. ``nnx.MultiMetric.update(loss=loss)``,
-    can fail with "Length of device assignment 1 is not equal to the size
-    of the mesh": run it under ``jax.set_mesh(mesh)`` too (once at start-up,
-    or as a ``with`` block around the loop), or build the mesh with
-    ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
+    With Explicit mesh axes (``jax.make_mesh``), code outside the step that
+    uses its outputs can fail with "Length of device assignment 1 is not
+    equal to the size of the mesh": run it under ``jax.set_mesh(mesh)`` too,
+    or build the mesh with ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
 
     Args:
       step_fn: the per-rank step. Its arguments and outputs are pytrees

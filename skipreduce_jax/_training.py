@@ -240,11 +240,10 @@ def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
                          "mesh axis, or two (outer, inner) for hierarchical "
                          "SkipReduce.")
     n = math.prod(mesh.shape[a] for a in axes)
-    spec = P(axes[0] if len(axes) == 1 else axes)
 
     def place(x):
         if np.ndim(x) and np.shape(x)[0] % n == 0:
-            return copy_to(x, NamedSharding(mesh, spec))
+            return copy_to(x, NamedSharding(mesh, data_spec(axes)))
         return copy_to(x, replicated_sharding(x, mesh))
 
     return jax.tree_util.tree_map(place, params)
@@ -278,17 +277,11 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
     settings: a mismatch would train on silently wrong sums (or hang), so it
     is refused before the first step.
 
-    ``tx`` may be :class:`MultiSteps` (optax's class with a local
-    accumulator): ``MultiSteps(optax.chain(skip_reduce(...), ...), k)``.
-    Each rank then accumulates its LOCAL gradients in ``acc_grads`` (one row
-    per rank, like the error-feedback residuals, in the params' layout over
-    other mesh axes) and the wrapped optimizer, ring included, runs once per
-    k micro-steps, so each micro-step sends 1/k of a reduction's bytes. A
-    flax ``TrainState``, an ``nnx.Optimizer`` or your own step call its
-    ``update`` as optax's; the state is optax's ``MultiStepsState``, and
-    each applied update is optax's for the mean of the ranks' gradients.
-    optax's own ``MultiSteps`` around ``skip_reduce`` is refused, naming
-    :class:`MultiSteps`. A ``should_skip_update_fn`` sees each rank's
+    ``tx`` may be :class:`MultiSteps` around it: each rank then accumulates
+    its LOCAL gradients in ``acc_grads`` (one row per rank, like the
+    error-feedback residuals) and the wrapped optimizer, ring included, runs
+    once per k micro-steps. optax's own ``MultiSteps`` around
+    ``skip_reduce`` is refused. A ``should_skip_update_fn`` sees each rank's
     gradient; a micro-step is skipped on every rank if any rank's says so,
     and ``skip_state`` holds the largest value over the ranks.
 
@@ -382,16 +375,12 @@ def make_train_step(
     ``tx`` (with :func:`skip_reduce` first) averages them, and the update is
     applied. Params stay replicated and bit-identical on every device; the
     returned loss is the mean over ranks. It is :func:`data_parallel` of
-    that step (manual over every mesh axis), so host batches are split and
-    placed as they come; write your own step with :func:`data_parallel` for
-    auxiliary outputs, a key, a flax ``TrainState`` or NNX objects.
+    that step; write your own with :func:`data_parallel` for auxiliary
+    outputs, a key, a flax ``TrainState`` or NNX objects.
 
-    With ``microbatches=m`` each rank splits its part of the batch into m
-    equal pieces, averages their local gradients (a ``lax.scan``) and then
-    runs ``tx`` once: gradient accumulation with one reduction per step.
-    Or accumulate over steps, one micro-batch per call, with ``tx =
-    MultiSteps(optax.chain(skip_reduce(...), ...), k)`` (see
-    :func:`init_opt_state`): one reduction per k calls.
+    ``microbatches=m`` averages the local gradients of m equal pieces of
+    each rank's batch (a ``lax.scan``), then runs ``tx`` once. To accumulate
+    over calls instead, use :class:`MultiSteps` (see :func:`init_opt_state`).
 
     FSDP (params placed by :func:`shard_params`, ``skip_reduce(...,
     params_sharded=True)``): the loss sees whole params. ``gather="whole"``
@@ -412,17 +401,13 @@ def make_train_step(
       axis_name: the data axis; ``(outer, inner)`` for hierarchical
         SkipReduce (match ``skip_reduce(outer, inner_axis=inner)``).
       donate: donate params and state buffers to the step.
-      microbatches: pieces each rank's batch is split into (its leading
-        dimension must divide evenly), their gradients averaged locally.
-      gather: ``"whole"`` (every FSDP block gathered once, kept for the
-        backward pass) or ``"per_leaf"`` (each gathered again in the
-        backward pass: lower peak memory, one more all-gather of the params).
+      microbatches: pieces each rank's batch is split into (evenly).
+      gather: ``"whole"`` or ``"per_leaf"`` (see above).
 
     Returns:
       The jitted step (with ``lower`` as ``jax.jit``'s). On simulated CPU
       devices read a result (e.g. ``float(loss)``) at least every few dozen
-      steps: with too many steps queued, XLA's in-process collectives time
-      out waiting for each other.
+      steps, or XLA's in-process collectives time out.
 
     Raises:
       ValueError: if ``axis_name`` is not an axis of ``mesh``, or (at the
