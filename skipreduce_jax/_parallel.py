@@ -74,11 +74,9 @@ def data_spec(axes: tuple[str, ...]) -> P:
 def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
     """``key`` folded with this rank's index over the data axes.
 
-    Inside the step every rank sees the same (replicated) key; dropout drawn
-    from it would drop the same units on every rank. Fold the rank in first:
-    each rank then draws its own mask, while params stay identical. With
-    hierarchical axes ``(outer, inner)`` the index is ``outer * L + inner``,
-    the order in which the batch is split.
+    Every rank sees the same replicated key: fold the rank in before dropout
+    so each rank draws its own mask. With hierarchical axes ``(outer,
+    inner)`` the index is ``outer * L + inner``, the batch's split order.
 
     Args:
       key: a replicated PRNG key (typed or raw ``uint32[2]``).
@@ -145,9 +143,8 @@ def replicated_sharding(x: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
 def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
                       axes: tuple[str, ...]) -> Any:
     """``x`` copied to every device, unless on ``mesh`` and split over no axis of ``axes``."""
-    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
-            x.sharding.mesh == mesh and not _spec_axes(x.sharding.spec)
-            & set(axes)):
+    spec = _spec_of(x, mesh)
+    if isinstance(x, jax.Array) and spec is not None and not _spec_axes(spec) & set(axes):
         return x
     sharding = replicated_sharding(x, mesh)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
@@ -272,9 +269,8 @@ def _check_outputs(with_paths: Sequence[tuple[Any, Any]],
 
 
 def positions(argnums: Any, name: str, *, api: str) -> tuple[int, ...]:
-    values = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
     try:
-        values = tuple(values)
+        values = tuple(argnums)
     except TypeError:
         values = (argnums,)
     for v in values:
@@ -288,11 +284,7 @@ def _default_describe(path: Any) -> str:
 
 
 class DataParallelStep:
-    """The callable :func:`data_parallel` returns.
-
-    ``step(*args)`` places the arguments and runs the jitted step;
-    ``step.lower(*args)`` lowers it as ``jax.jit``'s ``lower`` does.
-    """
+    """The callable :func:`data_parallel` returns (with ``lower`` as ``jax.jit``'s)."""
 
     def __init__(self, step_fn, mesh, axes, batch_argnums, static_argnums,
                  donate_argnums, *, api, describe=_default_describe,
@@ -614,15 +606,11 @@ def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any]
         elif structure.num_nodes == 1:  # a leaf
             layouts.append(None)
         else:
-            for child in _children(node):
+            for child in jax.tree_util.tree_flatten(node, is_leaf=lambda n: n is not node)[0]:
                 visit(child)
 
     visit(dummy)
     return layouts
-
-
-def _children(node: Any) -> list[Any]:
-    return jax.tree_util.tree_flatten(node, is_leaf=lambda n: n is not node)[0]
 
 
 def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
@@ -653,11 +641,9 @@ def data_parallel(
     this rank's row. It is ``jax.jit`` around ``jax.shard_map(...,
     check_vma=True)``, manual over ``axis_name`` only.
 
-    Outputs come back replicated, except per-rank state (in any NamedTuple
-    declaring ``per_rank_fields``, e.g. inside the returned optimizer
-    state), whose rows are stacked along the leading dimension. An output
-    declared replicated that differs per rank is refused with its path and
-    the fix (``lax.pmean``, BatchNorm with ``axis_name``, :class:`PerRank`).
+    Outputs come back replicated, except per-rank state, whose rows are
+    stacked along the leading dimension. An output declared replicated that
+    differs per rank is refused with its path and the fix.
 
     Each call places the arguments first: batch leaves (numpy or jax arrays)
     are split along their leading dimension, which must divide by the

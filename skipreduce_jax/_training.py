@@ -179,15 +179,11 @@ def local_grad(
 def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
-    Everything is replicated (``P()``) except per-rank fields: stored outside
-    ``shard_map`` with a leading dimension of size N (the data axis), each
-    rank's row on its own device (``P(axis_name)``). A per-rank field is one
-    named in the ``per_rank_fields`` class attribute of a NamedTuple state:
-    the error-feedback ``residual`` of :class:`SkipReduceState`, and any
-    state of your own transformation declared the same way; and the
-    ``acc_grads`` of an ``optax.MultiStepsState`` whose wrapped optimizer
-    holds such state (``MultiSteps`` around :func:`skip_reduce`: each rank
-    accumulates its local gradients).
+    Everything is replicated (``P()``) except per-rank fields, stored with a
+    leading dimension of size N, each rank's row on its own device
+    (``P(axis_name)``): those a NamedTuple state names in its
+    ``per_rank_fields`` (the ``residual`` of :class:`SkipReduceState`), and
+    the ``acc_grads`` of a :class:`MultiSteps` around :func:`skip_reduce`.
 
     Args:
       opt_state: the state (or its ``jax.eval_shape``).
@@ -224,10 +220,8 @@ def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
     optimizer runs on each device's blocks. A leaf already sharded over
     other mesh axes keeps that layout on its other dimensions.
 
-    ``axis_name=(outer, inner)`` shards over both (``P((outer, inner))``,
-    1/(N L) per device) for hierarchical SkipReduce: ``skip_reduce(outer,
-    inner_axis=inner, params_sharded=True)`` reduce-scatters in full over
-    the fast inner axis and skips over the slow outer one.
+    ``axis_name=(outer, inner)`` shards over both (``P((outer, inner))``)
+    for ``skip_reduce(outer, inner_axis=inner, params_sharded=True)``.
 
     Example:
       >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
@@ -253,14 +247,9 @@ def shard_batch(batch: PyTree, mesh: jax.sharding.Mesh,
                 axis_name: AxisNames = "data") -> PyTree:
     """Splits a batch's leading axis over ``axis_name``.
 
-    A tuple splits it over several axes in order: ``("replica", "fsdp")``
-    for hierarchical SkipReduce, or to spread a sharded step's batch over
-    the fsdp axis as well (``make_train_step(..., "replica")`` takes it as
-    it is).
-
-    In a multi-process run each process passes its own part of the global
-    batch (``jax.make_array_from_process_local_data``); in one process the
-    whole batch.
+    A tuple splits it over several axes in order, e.g. ``("replica",
+    "fsdp")``. In a multi-process run each process passes its own part of
+    the global batch; in one process the whole batch.
     """
     axes = mesh_axes(mesh, axis_name, api="shard_batch")
     check_batch(batch, math.prod(mesh.shape[a] for a in axes), axes, api="shard_batch",
@@ -272,10 +261,8 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
                    mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> PyTree:
     """Runs ``tx.init`` so each part of the state lands where the step wants it.
 
-    It also checks, with one tiny collective over the whole mesh, that every
-    device (every process) built :func:`skip_reduce` with the same seed and
-    settings: a mismatch would train on silently wrong sums (or hang), so it
-    is refused before the first step.
+    It also checks, as :func:`check_settings_agree`, that every device built
+    :func:`skip_reduce` with the same seed and settings.
 
     ``tx`` may be :class:`MultiSteps` around it: each rank then accumulates
     its LOCAL gradients in ``acc_grads`` (one row per rank, like the
