@@ -112,10 +112,7 @@ def per_rank_flags(tree: Any) -> list[bool]:
 
 
 def _spec_axes(spec: P) -> set[str]:
-    names = set()
-    for entry in spec:
-        names.update(as_tuple(entry) if entry is not None else ())
-    return names
+    return {a for entry in spec if entry is not None for a in as_tuple(entry)}
 
 
 def copy_to(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -335,11 +332,11 @@ class DataParallelStep:
     def _check_live(self, args: tuple) -> None:
         """Refuses deleted arrays (donated to an earlier call): JAX may crash on them."""
         for i, arg in enumerate(args):
-            if i in self._static or not any(
-                    map(_deleted, jax.tree_util.tree_leaves(arg))):
+            dead = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(arg)
+                    if i not in self._static and _deleted(x)]
+            if not dead:
                 continue
-            path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(arg)
-                              if _deleted(x))
+            path, leaf = dead[0]
             why = (f"this step donates argument {i} (donate_argnums="
                    f"{self._donate}), so the previous call consumed it"
                    if i in self._donate else
@@ -443,8 +440,7 @@ class DataParallelStep:
 
         def local(*local_flat):
             full = list(args)
-            for i, value in zip(dynamic, in_tree.unflatten(local_flat),
-                                strict=True):
+            for i, value in zip(dynamic, in_tree.unflatten(local_flat), strict=True):
                 full[i] = value
             with _shards.hints(local_flat, other), counting_over(axes):
                 out = self._step_fn(*full)
@@ -453,11 +449,9 @@ class DataParallelStep:
             found["flags"] = per_rank_flags(out)
             found["layouts"] = _output_layouts(found["tree"], [a for a, _ in kept],
                                                [s for _, s in kept])
-            found["blocks"] = [_leads_with(layout and layout[0], axes)
-                               for layout in found["layouts"]]
-            _check_outputs(with_paths, [f or b for f, b in zip(
-                found["flags"], found["blocks"], strict=True)], axes,
-                self._describe, api=self._api)
+            blocks = [_leads_with(layout and layout[0], axes) for layout in found["layouts"]]
+            found["rows"] = [f or b for f, b in zip(found["flags"], blocks, strict=True)]
+            _check_outputs(with_paths, found["rows"], axes, self._describe, api=self._api)
             return tuple(leaf for _, leaf in with_paths)
 
         def probe(*local_flat):
@@ -466,22 +460,20 @@ class DataParallelStep:
 
         compiler = [a for a in self._mesh.axis_names if a not in manual]
         types = dict(zip(self._mesh.axis_names, self._mesh.axis_types, strict=True))
-        explicit = tuple(a for a in compiler
-                         if types[a] == jax.sharding.AxisType.Explicit)
+        explicit = tuple(a for a in compiler if types[a] == jax.sharding.AxisType.Explicit)
         # Under Explicit axes a partial-manual shard_map takes sharded leaves
         # only as Auto, and outputs are pinned to their layouts.
         sharded = bool(compiler) and any(
             _without(s, manual) for _, specs in kept for s in specs)
 
         def mapped(fn, out_specs, out_sharding):
+            kwargs = dict(in_specs=tuple(in_specs), out_specs=out_specs,
+                          axis_names=manual, check_vma=True)
             if not (sharded and explicit):
-                return jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(in_specs),
-                                     out_specs=out_specs, axis_names=manual,
-                                     check_vma=True)
+                return jax.shard_map(fn, mesh=self._mesh, **kwargs)
 
             def inner(*a):
-                return jax.shard_map(fn, in_specs=tuple(in_specs), out_specs=out_specs,
-                                     axis_names=manual, check_vma=True)(*a)
+                return jax.shard_map(fn, **kwargs)(*a)
 
             return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_sharding)
 
@@ -502,8 +494,7 @@ class DataParallelStep:
                 "axes), or keep the step pjit code and take the gradients with "
                 "skipreduce_jax.value_and_grad.") from e
         out_tree = found["tree"]
-        rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
-        out_specs = tuple(spec if r else P() for r in rows)
+        out_specs = tuple(spec if r else P() for r in found["rows"])
         full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
                 for layout, ndim, f in zip(found["layouts"], found["ndims"],
                                            found["flags"], strict=True)]

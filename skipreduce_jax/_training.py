@@ -68,9 +68,7 @@ def to_varying(tree: PyTree, axis_name: AxisNames) -> PyTree:
     axes = as_tuple(axis_name)
     if not vma_checked(axes[0]):
         return tree
-
-    return jax.tree_util.tree_map(lambda leaf: cast_varying(leaf, axes),
-                                  tree)
+    return jax.tree_util.tree_map(lambda leaf: cast_varying(leaf, axes), tree)
 
 
 def local_value_and_grad(
@@ -385,8 +383,7 @@ def make_train_step(
       tx: the optimizer.
       mesh: the device mesh (other axes than ``axis_name`` see replicated
         params and the same batch shard).
-      axis_name: the data axis; ``(outer, inner)`` for hierarchical
-        SkipReduce (match ``skip_reduce(outer, inner_axis=inner)``).
+      axis_name: the data axis, as for :func:`data_parallel`.
       donate: donate params and state buffers to the step.
       microbatches: pieces each rank's batch is split into (evenly).
       gather: ``"whole"`` or ``"per_leaf"`` (see above).
