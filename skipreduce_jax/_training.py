@@ -404,7 +404,8 @@ def make_train_step(
     gather = checks.check_choice(gather, "gather", _GATHER_MODES, api="make_train_step")
     per_leaf = gather == "per_leaf"
     value_and_grad = local_value_and_grad(
-        _regathering(loss_fn, axes) if per_leaf else _ignoring_blocks(loss_fn), axes)
+        _regathering(loss_fn, axes) if per_leaf
+        else lambda whole, _blocks, batch: loss_fn(whole, batch), axes)
 
     def local_value_and_grads(whole, blocks, batch):
         if microbatches == 1:
@@ -469,13 +470,6 @@ def _stand_in(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         return param
     shape = (param.shape[0] * math.prod(lax.axis_size(a) for a in axes),) + param.shape[1:]
     return cast_varying(jnp.zeros(shape, param.dtype), axes)
-
-
-def _ignoring_blocks(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable[..., jax.Array]:
-    def loss(whole, blocks, batch):
-        del blocks  # already gathered into whole
-        return loss_fn(whole, batch)
-    return loss
 
 
 def _regathering(loss_fn: Callable[[Any, Any], jax.Array],
