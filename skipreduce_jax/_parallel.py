@@ -1,23 +1,8 @@
 """``data_parallel``: your own step, jitted and mapped over the data axes.
 
-``data_parallel(step_fn, mesh, batch_argnums=(2,))`` is ``jax.jit`` around
-``jax.shard_map(..., check_vma=True)`` that is manual over the data axes
-only (other mesh axes stay with the compiler). Arguments in
-``batch_argnums`` are split over the data axes along their leading
-dimension; everything else is replicated, except per-rank state (fields a
-NamedTuple names in ``per_rank_fields``, e.g. error-feedback residuals,
-the accumulator of a ``MultiSteps`` around ``skip_reduce``, and
-:class:`PerRank` values), found anywhere in the arguments and outputs (an
-optax state, a flax ``TrainState``, an ``nnx.Optimizer``) and placed with a
-leading data-axis dimension, as :func:`state_specs` does. Host (numpy) and
-misplaced arrays are placed before the call, so a loop passes its batches
-as they come.
-
-Inside the step, ``axis_name`` is bound: compute local gradients
-(:func:`local_value_and_grad`), let ``skip_reduce`` average them, and reduce
-whatever else is returned (``lax.pmean`` of a loss, BatchNorm with
-``axis_name``). An output that still differs per rank is refused, naming
-its path and the fix. :func:`rank_key` gives each rank its own dropout key.
+``jax.jit`` around ``jax.shard_map(..., check_vma=True)``, manual over the
+data axes only; arguments are placed before the call (batches split,
+per-rank state by rows, the rest replicated). See :func:`data_parallel`.
 """
 
 from __future__ import annotations
@@ -89,11 +74,9 @@ def data_spec(axes: tuple[str, ...]) -> P:
 def rank_key(key: jax.Array, axis_name: AxisNames = "data") -> jax.Array:
     """``key`` folded with this rank's index over the data axes.
 
-    Inside the step every rank sees the same (replicated) key; dropout drawn
-    from it would drop the same units on every rank. Fold the rank in first:
-    each rank then draws its own mask, while params stay identical. With
-    hierarchical axes ``(outer, inner)`` the index is ``outer * L + inner``,
-    the order in which the batch is split.
+    Every rank sees the same replicated key: fold the rank in before dropout
+    so each rank draws its own mask. With hierarchical axes ``(outer,
+    inner)`` the index is ``outer * L + inner``, the batch's split order.
 
     Args:
       key: a replicated PRNG key (typed or raw ``uint32[2]``).
@@ -129,18 +112,11 @@ def per_rank_flags(tree: Any) -> list[bool]:
 
 
 def _spec_axes(spec: P) -> set[str]:
-    names = set()
-    for entry in spec:
-        names.update(as_tuple(entry) if entry is not None else ())
-    return names
+    return {a for entry in spec if entry is not None for a in as_tuple(entry)}
 
 
 def copy_to(x: Any, sharding: NamedSharding) -> jax.Array:
-    """A copy of ``x`` placed with ``sharding`` that never aliases ``x``.
-
-    In a multi-process job every process passes the same values; each
-    process places its own copies on its own devices.
-    """
+    """A copy of ``x`` placed with ``sharding`` that never aliases ``x``."""
     if jax.process_count() == 1:
         # device_put alone can reuse a single-device buffer as one replica.
         return jax.device_put(jnp.copy(x), sharding)
@@ -150,8 +126,7 @@ def copy_to(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def _from_host(x: Any, sharding: NamedSharding) -> jax.Array:
-    # device_put of a local array onto a multi-process sharding builds an
-    # array whose shards cannot be read back; build them one by one.
+    """A host value placed on a multi-process sharding, shard by shard."""
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding,
                                         lambda index: host[index])
@@ -159,21 +134,14 @@ def _from_host(x: Any, sharding: NamedSharding) -> jax.Array:
 
 def replicated_sharding(x: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
     """``P()`` on ``mesh``, spelled as jit spells its replicated outputs."""
-    # P(None, ...) per dimension, so that a first call with placed inputs
-    # and later calls with the step's outputs hit one compilation.
     return NamedSharding(mesh, P(*[None] * np.ndim(x)))
 
 
 def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
                       axes: tuple[str, ...]) -> Any:
-    """``x`` copied to every device, unless already fine.
-
-    An array on ``mesh`` split over no axis of ``axes`` stays as it is
-    (sharded over a model axis, say).
-    """
-    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
-            x.sharding.mesh == mesh and not _spec_axes(x.sharding.spec)
-            & set(axes)):
+    """``x`` copied to every device, unless on ``mesh`` and split over no axis of ``axes``."""
+    spec = _spec_of(x, mesh)
+    if isinstance(x, jax.Array) and spec is not None and not _spec_axes(spec) & set(axes):
         return x
     sharding = replicated_sharding(x, mesh)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
@@ -186,10 +154,8 @@ def place_batch(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], *,
                 process_local: bool = True) -> Any:
     """``x`` split along its leading dimension over ``axes``.
 
-    In a multi-process run a host array is this process's part of the global
-    batch (``jax.make_array_from_process_local_data``), or with
-    ``process_local=False`` the whole of it (rows of every rank, e.g.
-    per-rank state restored from a checkpoint).
+    A multi-process host array is this process's part of the global batch,
+    or with ``process_local=False`` the whole of it.
     """
     sharding = NamedSharding(mesh, data_spec(axes))
     if isinstance(x, jax.Array) and (x.sharding.is_equivalent_to(sharding, x.ndim)
@@ -205,29 +171,17 @@ def place_batch(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], *,
 
 
 def _split_over(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
-    """Whether ``x``'s rows are split over ``axes`` first (and maybe more).
-
-    E.g. a batch ``P(("replica", "fsdp"))`` or a residual ``P("replica",
-    None, "fsdp")``: the data axes lead the first dimension and appear
-    nowhere else; the rest of the layout belongs to the compiler's axes.
-    """
-    sharding = getattr(x, "sharding", None)
-    if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh
-            and len(sharding.spec)):
+    """Whether ``x``'s rows are split over ``axes`` first, and over them nowhere else."""
+    spec = _spec_of(x, mesh)
+    if not _leads_with(spec, axes):
         return False
-    head = as_tuple(sharding.spec[0]) if sharding.spec[0] else ()
-    rest = _spec_axes(P(*sharding.spec[1:]))
-    return head[:len(axes)] == axes and not set(axes) & (set(head[len(axes):]) | rest)
+    rest = _spec_axes(P(*spec[1:]))
+    return not set(axes) & (set(as_tuple(spec[0])[len(axes):]) | rest)
 
 
 def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
                      axes: tuple[str, ...], *, api: str) -> None:
-    """Refuses an argument split over the data axes other than by rows.
-
-    A leaf whose leading dimension is split over the data axes first enters
-    as this rank's block (FSDP / ZeRO); any other split over them would be
-    gathered onto every device silently.
-    """
+    """Refuses an argument split over the data axes other than by rows."""
     spec = _spec_of(x, mesh)
     split = sorted(_spec_axes(spec) & set(axes)) if spec is not None else []
     if split:
@@ -270,10 +224,8 @@ def check_batch(tree: Any, ranks: int, axes: tuple[str, ...], *, api: str,
                 name: str, or_else: str, traced: bool = False) -> None:
     """Refuses batch leaves whose leading dimension does not split over the ranks.
 
-    ``name`` names the argument in the message; ``or_else`` is the other fix;
-    ``traced``: the leaves are global arrays inside ``jax.jit``.
+    ``or_else`` is the other fix; ``traced``: global arrays inside ``jax.jit``.
     """
-    # A process passes its own part of the batch; ranks split the global one.
     processes = jax.process_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         where = (f"{api}: {name} has a leaf at "
@@ -314,9 +266,8 @@ def _check_outputs(with_paths: Sequence[tuple[Any, Any]],
 
 
 def positions(argnums: Any, name: str, *, api: str) -> tuple[int, ...]:
-    values = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
     try:
-        values = tuple(values)
+        values = tuple(argnums)
     except TypeError:
         values = (argnums,)
     for v in values:
@@ -330,18 +281,13 @@ def _default_describe(path: Any) -> str:
 
 
 class DataParallelStep:
-    """The callable :func:`data_parallel` returns.
-
-    ``step(*args)`` places the arguments and runs the jitted step;
-    ``step.lower(*args)`` lowers it as ``jax.jit``'s ``lower`` does.
-    """
+    """The callable :func:`data_parallel` returns (with ``lower`` as ``jax.jit``'s)."""
 
     def __init__(self, step_fn, mesh, axes, batch_argnums, static_argnums,
                  donate_argnums, *, api, describe=_default_describe,
                  manual_axes=None):
         self._step_fn = step_fn
-        # "unsharded": the data axes and every axis no argument is sharded
-        # over (the training helpers: a replicated model is run per device).
+        # "unsharded": the data axes and every axis no argument is sharded over.
         self._manual_rule = manual_axes
         self._manual = set(axes if manual_axes in (None, "unsharded") else manual_axes)
         self._mesh = mesh
@@ -356,19 +302,22 @@ class DataParallelStep:
         self._waits = False  # traced with a host check: wait for each call
 
     def __call__(self, *args, **kwargs):
-        self._no_kwargs(kwargs)
+        return self._enter(args, kwargs, self._run)
+
+    def _enter(self, args: tuple, kwargs: dict, run: Callable[[tuple], Any]) -> Any:
+        """Checks and places ``args``, then ``run(args)`` under the step's mesh."""
+        if kwargs:
+            raise TypeError(
+                f"{self._api}: pass the step's arguments positionally (got "
+                f"keyword arguments {sorted(kwargs)}); batch_argnums, "
+                "static_argnums and donate_argnums count positions.")
         self._check_live(args)
         args = self._place(args)
         with _mesh_context(self._mesh):
-            return self._run(args)
+            return run(args)
 
     def _run(self, args: tuple) -> Any:
-        """Runs the jitted step, raising a host check's error as it was.
-
-        A step traced with a host check (``verify_sync``) is waited for, so
-        that its error is raised here rather than, wrapped in JAX's
-        ``CpuCallback error``, wherever the results are read.
-        """
+        """Runs the jitted step, raising a host check's error as it was (not wrapped)."""
         traced = host_checks_traced()
         try:
             out = self._jitted(*args)
@@ -381,16 +330,13 @@ class DataParallelStep:
             raise error from None
 
     def _check_live(self, args: tuple) -> None:
-        """Refuses deleted arrays (donated to an earlier call) before use.
-
-        JAX itself fails with INVALID_ARGUMENT, and may then crash.
-        """
+        """Refuses deleted arrays (donated to an earlier call): JAX may crash on them."""
         for i, arg in enumerate(args):
-            if i in self._static or not any(
-                    map(_deleted, jax.tree_util.tree_leaves(arg))):
+            dead = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(arg)
+                    if i not in self._static and _deleted(x)]
+            if not dead:
                 continue
-            path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(arg)
-                              if _deleted(x))
+            path, leaf = dead[0]
             why = (f"this step donates argument {i} (donate_argnums="
                    f"{self._donate}), so the previous call consumed it"
                    if i in self._donate else
@@ -412,21 +358,10 @@ class DataParallelStep:
 
     def lower(self, *args, **kwargs):
         """Places ``args`` and lowers the step (``jax.jit(...).lower``)."""
-        self._no_kwargs(kwargs)
-        self._check_live(args)
-        args = self._place(args)
-        with _mesh_context(self._mesh):
-            return self._jitted.lower(*args)
+        return self._enter(args, kwargs, lambda placed: self._jitted.lower(*placed))
 
     def _cache_size(self) -> int:
         return self._jitted._cache_size()
-
-    def _no_kwargs(self, kwargs):
-        if kwargs:
-            raise TypeError(
-                f"{self._api}: pass the step's arguments positionally (got "
-                f"keyword arguments {sorted(kwargs)}); batch_argnums, "
-                "static_argnums and donate_argnums count positions.")
 
     def _place(self, args: tuple) -> tuple:
         mesh, axes, api = self._mesh, self._axes, self._api
@@ -465,18 +400,15 @@ class DataParallelStep:
             if any(a is not b for (_, a), b in zip(with_paths, new,
                                                    strict=True)):
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)
-        # One spelling per layout, the one the step's outputs come back in:
-        # with leaves laid out over the compiler's axes every output is
-        # pinned to its layout (spelled without trailing Nones), else they
-        # come out of the shard_map (an entry per dimension).
+        # Spelled as the step's outputs come back: without trailing Nones when
+        # leaves are laid out over the compiler's axes, else one entry per dim.
         stripped = any(_spec_axes(s) - set(axes) for i, a in enumerate(placed)
                        if i not in self._static and i not in self._batch
                        for s in map(lambda x: _spec_of(x, mesh) or P(),
                                     jax.tree_util.tree_leaves(a)))
         placed = [a if i in self._static else jax.tree_util.tree_map(
             lambda x: _respell(x, mesh, stripped), a) for i, a in enumerate(placed)]
-        # How each leaf is laid out, for the trace that follows (the jit
-        # cache keys on input shardings, so a new layout traces again).
+        # Each leaf's layout, for the trace that follows.
         self._specs = [None if i in self._static else
                        [_spec_of(x, mesh) for x in jax.tree_util.tree_leaves(a)]
                        for i, a in enumerate(placed)]
@@ -508,22 +440,18 @@ class DataParallelStep:
 
         def local(*local_flat):
             full = list(args)
-            for i, value in zip(dynamic, in_tree.unflatten(local_flat),
-                                strict=True):
+            for i, value in zip(dynamic, in_tree.unflatten(local_flat), strict=True):
                 full[i] = value
             with _shards.hints(local_flat, other), counting_over(axes):
                 out = self._step_fn(*full)
             with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
             found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
             found["flags"] = per_rank_flags(out)
-            # An output with the structure of an argument keeps its layout.
             found["layouts"] = _output_layouts(found["tree"], [a for a, _ in kept],
                                                [s for _, s in kept])
-            found["blocks"] = [_leads_with(layout and layout[0], axes)
-                               for layout in found["layouts"]]
-            _check_outputs(with_paths, [f or b for f, b in zip(
-                found["flags"], found["blocks"], strict=True)], axes,
-                self._describe, api=self._api)
+            blocks = [_leads_with(layout and layout[0], axes) for layout in found["layouts"]]
+            found["rows"] = [f or b for f, b in zip(found["flags"], blocks, strict=True)]
+            _check_outputs(with_paths, found["rows"], axes, self._describe, api=self._api)
             return tuple(leaf for _, leaf in with_paths)
 
         def probe(*local_flat):
@@ -532,28 +460,24 @@ class DataParallelStep:
 
         compiler = [a for a in self._mesh.axis_names if a not in manual]
         types = dict(zip(self._mesh.axis_names, self._mesh.axis_types, strict=True))
-        explicit = tuple(a for a in compiler
-                         if types[a] == jax.sharding.AxisType.Explicit)
-        # Leaves laid out over the compiler's axes: under Explicit axes a
-        # partial-manual shard_map takes them only as Auto (on the context
-        # mesh auto_axes sets), and outputs are pinned to their layouts.
+        explicit = tuple(a for a in compiler if types[a] == jax.sharding.AxisType.Explicit)
+        # Under Explicit axes a partial-manual shard_map takes sharded leaves
+        # only as Auto, and outputs are pinned to their layouts.
         sharded = bool(compiler) and any(
             _without(s, manual) for _, specs in kept for s in specs)
 
         def mapped(fn, out_specs, out_sharding):
+            kwargs = dict(in_specs=tuple(in_specs), out_specs=out_specs,
+                          axis_names=manual, check_vma=True)
             if not (sharded and explicit):
-                return jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(in_specs),
-                                     out_specs=out_specs, axis_names=manual,
-                                     check_vma=True)
+                return jax.shard_map(fn, mesh=self._mesh, **kwargs)
 
             def inner(*a):
-                return jax.shard_map(fn, in_specs=tuple(in_specs), out_specs=out_specs,
-                                     axis_names=manual, check_vma=True)(*a)
+                return jax.shard_map(fn, **kwargs)(*a)
 
             return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_sharding)
 
-        # A first, abstract trace finds the outputs' structure and layouts;
-        # the outer jit caches both traces.
+        # An abstract trace first finds the outputs' structure and layouts.
         try:
             jax.eval_shape(mapped(probe, (), ()), *flat)
         except ValueError as e:
@@ -570,8 +494,7 @@ class DataParallelStep:
                 "axes), or keep the step pjit code and take the gradients with "
                 "skipreduce_jax.value_and_grad.") from e
         out_tree = found["tree"]
-        rows = [f or b for f, b in zip(found["flags"], found["blocks"], strict=True)]
-        out_specs = tuple(spec if r else P() for r in rows)
+        out_specs = tuple(spec if r else P() for r in found["rows"])
         full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
                 for layout, ndim, f in zip(found["layouts"], found["ndims"],
                                            found["flags"], strict=True)]
@@ -588,12 +511,7 @@ PJIT_ONLY = ("with_sharding_constraint", "manual_axis_type",
 
 
 def _respell(x: Any, mesh: jax.sharding.Mesh, stripped: bool) -> Any:
-    """``x`` with its layout spelled without trailing Nones, or with all.
-
-    The jit cache keys on how a sharding is spelled, so inputs are spelled
-    as the step's outputs will be: feeding them back hits the first
-    compilation. Abstract arguments (for ``lower``) stay as they are.
-    """
+    """``x`` with its layout spelled without trailing Nones, or with all (as outputs are)."""
     spec = _spec_of(x, mesh)
     if spec is None or not isinstance(x, jax.Array):
         return x
@@ -640,12 +558,8 @@ def _out_spec(layout: tuple[P | None, int] | None, ndim: int, data: P | None,
               manual: set[str], axes: tuple[str, ...]) -> P:
     """The full spec of an output leaf of ``ndim`` dimensions.
 
-    ``layout`` is the (spec, ndim) of the argument leaf it comes from: a
-    block of the data axes (FSDP) keeps that spec whole; otherwise its
-    layout over the compiler's axes is kept, and a per-rank leaf (``data``:
-    the data axes' spec) has its rows over the data axes first, as an extra
-    leading dimension when it has one more than that argument leaf (an
-    error-feedback residual of a param), else split with its own leading one.
+    ``layout``: the (spec, ndim) of the argument leaf it comes from; ``data``:
+    the data axes' spec of a per-rank leaf, its rows over the data axes first.
     """
     spec, base = layout if layout is not None else (None, ndim)
     if data is None and _leads_with(spec, axes):
@@ -663,13 +577,7 @@ def _out_spec(layout: tuple[P | None, int] | None, ndim: int, data: P | None,
 
 def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any]
                     ) -> list[tuple[P | None, int] | None]:
-    """Per output leaf: the layout over the compiler's axes it should keep.
-
-    An output subtree with the structure of an argument (the params, the
-    optimizer state, a TrainState or an NNX object going round the loop)
-    gets that argument's layout, leaf by leaf; other outputs are replicated
-    over the compiler's axes.
-    """
+    """Per output leaf: the layout of the argument with its subtree's structure, or None."""
     by_structure = {}
     for arg, specs in zip(args, arg_specs, strict=True):
         structure = jax.tree_util.tree_structure(arg)
@@ -689,15 +597,11 @@ def _output_layouts(out_tree: Any, args: Sequence[Any], arg_specs: Sequence[Any]
         elif structure.num_nodes == 1:  # a leaf
             layouts.append(None)
         else:
-            for child in _children(node):
+            for child in jax.tree_util.tree_flatten(node, is_leaf=lambda n: n is not node)[0]:
                 visit(child)
 
     visit(dummy)
     return layouts
-
-
-def _children(node: Any) -> list[Any]:
-    return jax.tree_util.tree_flatten(node, is_leaf=lambda n: n is not node)[0]
 
 
 def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
@@ -728,45 +632,29 @@ def data_parallel(
     this rank's row. It is ``jax.jit`` around ``jax.shard_map(...,
     check_vma=True)``, manual over ``axis_name`` only.
 
-    Outputs come back replicated, except per-rank state (in any NamedTuple
-    declaring ``per_rank_fields``, e.g. inside the returned optimizer
-    state), whose rows are stacked along the leading dimension. An output
-    declared replicated that differs per rank is refused with its path and
-    the fix (``lax.pmean``, BatchNorm with ``axis_name``, :class:`PerRank`).
+    Outputs come back replicated, except per-rank state, whose rows are
+    stacked along the leading dimension. An output declared replicated that
+    differs per rank is refused with its path and the fix.
 
     Each call places the arguments first: batch leaves (numpy or jax arrays)
     are split along their leading dimension, which must divide by the
-    number of ranks; per-rank state is split by rows; everything else is
-    copied to every device unless already there (an array on ``mesh``
-    sharded over other axes only is left as it is). Outputs are placed so
-    that feeding them back moves nothing.
+    number of ranks (in a multi-process job a host batch is this process's
+    part, as for :func:`shard_batch`); per-rank state is split by rows;
+    everything else is copied to every device unless already there. An
+    argument sharded over other mesh axes keeps that layout (those axes stay
+    with the compiler), and one whose rows are split over the data axes
+    (FSDP / ZeRO) enters as this rank's block. An output with the structure
+    of an argument comes back in its layout, so feeding it back moves
+    nothing.
 
-    Sharded layouts: an argument sharded over other mesh axes keeps that
-    layout (those axes stay with the compiler; ``skip_reduce`` is told the
-    params' specs and reduces each device's shard), and one whose rows are
-    split over the data axes (FSDP / ZeRO) enters as this rank's block. An
-    output with the structure of an argument (params, optimizer state, a
-    TrainState) comes back in that argument's layout.
-
-    A loss given to :func:`local_value_and_grad` may hold pjit code: a
-    ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` of
-    the global mesh, flax linen ``DenseGeneral`` kernels with several
-    features under ``nn.with_partitioning``. On Auto axes it is replayed
-    per rank with the data axes dropped from each ``spec`` (this rank's part
-    of ``x`` is laid out over the other axes as ``spec`` says; see
-    docs/design.md). In the step's own body, constrain without the data
-    axes.
-
-    In a multi-process job a host batch is this process's part of the
-    global batch, as for :func:`shard_batch`.
+    A loss given to :func:`local_value_and_grad` may hold pjit code (see
+    there); in the step's own body, constrain without the data axes.
 
     The call runs under ``jax.set_mesh(mesh)`` unless a mesh is already set.
-    With a mesh from ``jax.make_mesh`` (Explicit axes), code outside the
-    step that uses its outputs, e.g. ``nnx.MultiMetric.update(loss=loss)``,
-    can fail with "Length of device assignment 1 is not equal to the size
-    of the mesh": run it under ``jax.set_mesh(mesh)`` too (once at start-up,
-    or as a ``with`` block around the loop), or build the mesh with
-    ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
+    With Explicit mesh axes (``jax.make_mesh``), code outside the step that
+    uses its outputs can fail with "Length of device assignment 1 is not
+    equal to the size of the mesh": run it under ``jax.set_mesh(mesh)`` too,
+    or build the mesh with ``axis_types=(jax.sharding.AxisType.Auto,) * n``.
 
     Args:
       step_fn: the per-rank step. Its arguments and outputs are pytrees
@@ -813,11 +701,7 @@ def build_step(step_fn, mesh, axis_name, *, batch_argnums, static_argnums,
                donate_argnums, api: str,
                describe: Callable[[Any], str] = _default_describe,
                manual_axes: Sequence[str] | None = None) -> DataParallelStep:
-    """:func:`data_parallel`, with errors naming ``api``.
-
-    ``describe`` names an output from its path; ``manual_axes`` (default:
-    the data axes) are the mesh axes the step is manual over.
-    """
+    """:func:`data_parallel`, with errors naming ``api``; ``manual_axes``: the manual ones."""
     axes = mesh_axes(mesh, axis_name, api=api)
     batch = positions(batch_argnums, "batch_argnums", api=api)
     static = positions(static_argnums, "static_argnums", api=api)

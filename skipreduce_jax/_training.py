@@ -14,14 +14,8 @@ the data axis, the update inside ``jax.shard_map`` with ``check_vma=True``)::
 
 Inside the step, :func:`local_value_and_grad` casts the replicated params to
 varying first, so autodiff does not sum the gradients over the data axis:
-``skip_reduce`` is then the only reduction. Error-feedback residuals are the
-one part of the state that differs per rank; :func:`state_specs` gives them a
-leading data-axis dimension outside ``shard_map``. For a step of your own
-(aux outputs, keys, a flax ``TrainState``), see :func:`data_parallel`.
-
-On simulated CPU devices (``--xla_force_host_platform_device_count``), read
-a result (e.g. ``float(loss)``) at least every few dozen steps: with too many
-steps queued, XLA's in-process collectives time out waiting for each other.
+``skip_reduce`` is then the only reduction. For a step of your own (aux
+outputs, keys, a flax ``TrainState``), see :func:`data_parallel`.
 """
 
 from __future__ import annotations
@@ -74,9 +68,7 @@ def to_varying(tree: PyTree, axis_name: AxisNames) -> PyTree:
     axes = as_tuple(axis_name)
     if not vma_checked(axes[0]):
         return tree
-
-    return jax.tree_util.tree_map(lambda leaf: cast_varying(leaf, axes),
-                                  tree)
+    return jax.tree_util.tree_map(lambda leaf: cast_varying(leaf, axes), tree)
 
 
 def local_value_and_grad(
@@ -125,13 +117,7 @@ def local_value_and_grad(
 def per_rank_value_and_grad(fun: Callable[..., Any], args: Sequence[Any],
                             kwargs: dict[str, Any], axes: tuple[str, ...], *,
                             argnums: int | Sequence[int], has_aux: bool) -> Any:
-    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed.
-
-    Where JAX refuses the loss's layouts inside the step (a constraint naming
-    a data axis, flax's partitioned kernels), it is traced as plain jit code
-    on this rank's arguments and replayed, its constraints without the data
-    axes.
-    """
+    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed."""
     try:
         return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
     except ValueError as e:
@@ -191,15 +177,11 @@ def local_grad(
 def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
     """PartitionSpecs of an optimizer state for the data-parallel step.
 
-    Everything is replicated (``P()``) except per-rank fields: stored outside
-    ``shard_map`` with a leading dimension of size N (the data axis), each
-    rank's row on its own device (``P(axis_name)``). A per-rank field is one
-    named in the ``per_rank_fields`` class attribute of a NamedTuple state:
-    the error-feedback ``residual`` of :class:`SkipReduceState`, and any
-    state of your own transformation declared the same way; and the
-    ``acc_grads`` of an ``optax.MultiStepsState`` whose wrapped optimizer
-    holds such state (``MultiSteps`` around :func:`skip_reduce`: each rank
-    accumulates its local gradients).
+    Everything is replicated (``P()``) except per-rank fields, stored with a
+    leading dimension of size N, each rank's row on its own device
+    (``P(axis_name)``): those a NamedTuple state names in its
+    ``per_rank_fields`` (the ``residual`` of :class:`SkipReduceState`), and
+    the ``acc_grads`` of a :class:`MultiSteps` around :func:`skip_reduce`.
 
     Args:
       opt_state: the state (or its ``jax.eval_shape``).
@@ -217,10 +199,8 @@ def state_specs(opt_state: PyTree, axis_name: AxisNames = "data") -> PyTree:
 def replicate(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Copies every leaf onto every device of ``mesh`` (``P()``).
 
-    The copy never aliases ``tree``, so the step may donate it (``device_put``
-    alone can reuse a single-device buffer as one of the replicas). In a
-    multi-process job every process must pass the same values; each process
-    places its own copies on its own devices.
+    The copy never aliases ``tree``, so the step may donate it. In a
+    multi-process job every process must pass the same values.
     """
     return jax.tree_util.tree_map(
         lambda x: copy_to(x, replicated_sharding(x, mesh)), tree)
@@ -238,10 +218,8 @@ def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
     optimizer runs on each device's blocks. A leaf already sharded over
     other mesh axes keeps that layout on its other dimensions.
 
-    ``axis_name=(outer, inner)`` shards over both (``P((outer, inner))``,
-    1/(N L) per device) for hierarchical SkipReduce: ``skip_reduce(outer,
-    inner_axis=inner, params_sharded=True)`` reduce-scatters in full over
-    the fast inner axis and skips over the slow outer one.
+    ``axis_name=(outer, inner)`` shards over both (``P((outer, inner))``)
+    for ``skip_reduce(outer, inner_axis=inner, params_sharded=True)``.
 
     Example:
       >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
@@ -254,11 +232,10 @@ def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
                          "mesh axis, or two (outer, inner) for hierarchical "
                          "SkipReduce.")
     n = math.prod(mesh.shape[a] for a in axes)
-    spec = P(axes[0] if len(axes) == 1 else axes)
 
     def place(x):
         if np.ndim(x) and np.shape(x)[0] % n == 0:
-            return copy_to(x, NamedSharding(mesh, spec))
+            return copy_to(x, NamedSharding(mesh, data_spec(axes)))
         return copy_to(x, replicated_sharding(x, mesh))
 
     return jax.tree_util.tree_map(place, params)
@@ -268,14 +245,9 @@ def shard_batch(batch: PyTree, mesh: jax.sharding.Mesh,
                 axis_name: AxisNames = "data") -> PyTree:
     """Splits a batch's leading axis over ``axis_name``.
 
-    A tuple splits it over several axes in order: ``("replica", "fsdp")``
-    for hierarchical SkipReduce, or to spread a sharded step's batch over
-    the fsdp axis as well (``make_train_step(..., "replica")`` takes it as
-    it is).
-
-    In a multi-process run each process passes its own part of the global
-    batch (``jax.make_array_from_process_local_data``); in one process the
-    whole batch.
+    A tuple splits it over several axes in order, e.g. ``("replica",
+    "fsdp")``. In a multi-process run each process passes its own part of
+    the global batch; in one process the whole batch.
     """
     axes = mesh_axes(mesh, axis_name, api="shard_batch")
     check_batch(batch, math.prod(mesh.shape[a] for a in axes), axes, api="shard_batch",
@@ -287,22 +259,14 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
                    mesh: jax.sharding.Mesh, axis_name: AxisNames = "data") -> PyTree:
     """Runs ``tx.init`` so each part of the state lands where the step wants it.
 
-    It also checks, with one tiny collective over the whole mesh, that every
-    device (every process) built :func:`skip_reduce` with the same seed and
-    settings: a mismatch would train on silently wrong sums (or hang), so it
-    is refused before the first step.
+    It also checks, as :func:`check_settings_agree`, that every device built
+    :func:`skip_reduce` with the same seed and settings.
 
-    ``tx`` may be :class:`MultiSteps` (optax's class with a local
-    accumulator): ``MultiSteps(optax.chain(skip_reduce(...), ...), k)``.
-    Each rank then accumulates its LOCAL gradients in ``acc_grads`` (one row
-    per rank, like the error-feedback residuals, in the params' layout over
-    other mesh axes) and the wrapped optimizer, ring included, runs once per
-    k micro-steps, so each micro-step sends 1/k of a reduction's bytes. A
-    flax ``TrainState``, an ``nnx.Optimizer`` or your own step call its
-    ``update`` as optax's; the state is optax's ``MultiStepsState``, and
-    each applied update is optax's for the mean of the ranks' gradients.
-    optax's own ``MultiSteps`` around ``skip_reduce`` is refused, naming
-    :class:`MultiSteps`. A ``should_skip_update_fn`` sees each rank's
+    ``tx`` may be :class:`MultiSteps` around it: each rank then accumulates
+    its LOCAL gradients in ``acc_grads`` (one row per rank, like the
+    error-feedback residuals) and the wrapped optimizer, ring included, runs
+    once per k micro-steps. optax's own ``MultiSteps`` around
+    ``skip_reduce`` is refused. A ``should_skip_update_fn`` sees each rank's
     gradient; a micro-step is skipped on every rank if any rank's says so,
     and ``skip_state`` holds the largest value over the ranks.
 
@@ -338,8 +302,6 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
         _check_per_rank_axes(state, axes, mesh.axis_names)
         return state
 
-    # The step's own machinery: params keep their layout over other mesh
-    # axes, per-rank fields get a row per rank, the rest is replicated.
     opt_state = build_step(local_init, mesh, axes, batch_argnums=(),
                            static_argnums=(), donate_argnums=(),
                            api="init_opt_state", manual_axes="unsharded")(params)
@@ -398,55 +360,38 @@ def make_train_step(
     ``tx`` (with :func:`skip_reduce` first) averages them, and the update is
     applied. Params stay replicated and bit-identical on every device; the
     returned loss is the mean over ranks. It is :func:`data_parallel` of
-    that step (manual over every mesh axis), so host batches are split and
-    placed as they come; write your own step with :func:`data_parallel` for
-    auxiliary outputs, a key, a flax ``TrainState`` or NNX objects.
+    that step; write your own with :func:`data_parallel` for auxiliary
+    outputs, a key, a flax ``TrainState`` or NNX objects.
 
-    With ``microbatches=m`` each rank splits its part of the batch into m
-    equal pieces, averages their local gradients (a ``lax.scan``) and then
-    runs ``tx`` once: gradient accumulation with one reduction per step.
-    Or accumulate over steps, one micro-batch per call, with ``tx =
-    MultiSteps(optax.chain(skip_reduce(...), ...), k)`` (see
-    :func:`init_opt_state`): one reduction per k calls.
+    ``microbatches=m`` averages the local gradients of m equal pieces of
+    each rank's batch (a ``lax.scan``), then runs ``tx`` once. To accumulate
+    over calls instead, use :class:`MultiSteps` (see :func:`init_opt_state`).
 
     FSDP (params placed by :func:`shard_params`, ``skip_reduce(...,
-    params_sharded=True)``): the loss sees whole params. With
-    ``gather="whole"`` every block is gathered once at the start of the
-    step and autodiff keeps the gathered copies for the backward pass: the
-    peak holds all gathered params (the whole model) plus the activations.
-    With ``gather="per_leaf"`` each leaf is gathered on its own and gathered
+    params_sharded=True)``): the loss sees whole params. ``gather="whole"``
+    keeps every gathered block for the backward pass (the whole model plus
+    the activations at the peak). ``gather="per_leaf"`` gathers each leaf
     again in the backward pass (``jax.checkpoint`` recomputes only the
-    gathers, as PyTorch FSDP's ``reshard_after_forward``), so a gathered
-    copy can be freed after its last use in each pass: the peak can drop to
-    about one leaf's gathered copy plus the activations, for one more
-    all-gather of the params per step ((N-1)/N of each leaf the backward
-    pass reads). Whether it does is the compiler's schedule (README, "FSDP
-    over the data axis"): compiled for a 4-slice TPU v5e pod it cut the
-    temporaries from 52 to 15 MiB, for 2 x 8 H100s not at all, and XLA:CPU
-    merges the two gathers unless told otherwise. With ``num_skip > 0``
-    give ``skip_reduce`` a ``bucket_bytes`` no larger than a leaf, or the
-    gradients of one bucket are all live at once. Without FSDP-sharded
-    params ``"per_leaf"`` changes nothing.
+    gathers, as PyTorch FSDP's ``reshard_after_forward``): the peak can drop
+    to about one leaf's gathered copy plus the activations, if the
+    compiler's schedule allows (README, "FSDP over the data axis"). With
+    ``num_skip > 0`` give ``skip_reduce`` a ``bucket_bytes`` no larger than
+    a leaf. Without FSDP-sharded params ``"per_leaf"`` changes nothing.
 
     Args:
       loss_fn: ``(params, batch) -> scalar`` on one rank's part of the batch.
       tx: the optimizer.
       mesh: the device mesh (other axes than ``axis_name`` see replicated
         params and the same batch shard).
-      axis_name: the data axis; ``(outer, inner)`` for hierarchical
-        SkipReduce (match ``skip_reduce(outer, inner_axis=inner)``).
+      axis_name: the data axis, as for :func:`data_parallel`.
       donate: donate params and state buffers to the step.
-      microbatches: pieces each rank's batch is split into (its leading
-        dimension must divide evenly), their gradients averaged locally.
-      gather: ``"whole"`` (every FSDP block gathered once, kept for the
-        backward pass) or ``"per_leaf"`` (each gathered again in the
-        backward pass: lower peak memory, one more all-gather of the params).
+      microbatches: pieces each rank's batch is split into (evenly).
+      gather: ``"whole"`` or ``"per_leaf"`` (see above).
 
     Returns:
       The jitted step (with ``lower`` as ``jax.jit``'s). On simulated CPU
       devices read a result (e.g. ``float(loss)``) at least every few dozen
-      steps: with too many steps queued, XLA's in-process collectives time
-      out waiting for each other.
+      steps, or XLA's in-process collectives time out.
 
     Raises:
       ValueError: if ``axis_name`` is not an axis of ``mesh``, or (at the
@@ -458,10 +403,9 @@ def make_train_step(
                                     minimum=1, type_error=ValueError)
     gather = checks.check_choice(gather, "gather", _GATHER_MODES, api="make_train_step")
     per_leaf = gather == "per_leaf"
-    # Differentiated: the whole params (per_leaf: zeros standing in for the
-    # FSDP blocks' whole copies, gathered again inside the loss).
     value_and_grad = local_value_and_grad(
-        _regathering(loss_fn, axes) if per_leaf else _ignoring_blocks(loss_fn), axes)
+        _regathering(loss_fn, axes) if per_leaf
+        else lambda whole, _blocks, batch: loss_fn(whole, batch), axes)
 
     def local_value_and_grads(whole, blocks, batch):
         if microbatches == 1:
@@ -478,8 +422,6 @@ def make_train_step(
         return jax.tree_util.tree_map(lambda x: x / microbatches, total)
 
     def local_step(params, opt_state, batch):
-        # FSDP: params sharded over the data axis arrive as this rank's
-        # blocks; the loss sees them whole, the update is this rank's block.
         whole = jax.tree_util.tree_map(
             lambda p: _stand_in(p, axes) if per_leaf else _gather_block(p, axes), params)
         loss, grads = local_value_and_grads(whole, params, batch)
@@ -498,15 +440,11 @@ _GATHER_MODES = {
     "whole": "every FSDP block gathered once, kept for the backward pass",
     "per_leaf": "each gathered again in the backward pass",
 }
-# The name of the gathered FSDP params, which the backward pass recomputes.
 _GATHERED = "skipreduce_fsdp_gathered"
 
 
 def _is_block(param: jax.Array, axes: tuple[str, ...]) -> bool:
-    """Is ``param`` this rank's block over the data axes (FSDP)?
-
-    Hierarchical FSDP blocks are those of ``P((outer, inner))``.
-    """
+    """Is ``param`` this rank's block over the data axes (FSDP)?"""
     vary = varying_axes(param)
     if axes[0] not in vary:
         return False
@@ -519,50 +457,29 @@ def _is_block(param: jax.Array, axes: tuple[str, ...]) -> bool:
     return True
 
 
-def _gather_axes(axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    return axes if len(axes) > 1 else axes[0]
-
-
 def _gather_block(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """A param whole: gathered if it is this rank's block over the data axes."""
     if not _is_block(param, axes):
         return param
-    return lax.all_gather(param, _gather_axes(axes), tiled=True)
+    return lax.all_gather(param, axes if len(axes) > 1 else axes[0], tiled=True)
 
 
 def _stand_in(param: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Zeros shaped like a block's whole param (never filled), else ``param``.
-
-    Differentiated in place of the whole param: ``_grad_into`` hands it the
-    whole param's gradient.
-    """
+    """Zeros shaped like a block's whole param (never filled), else ``param``."""
     if not _is_block(param, axes):
         return param
     shape = (param.shape[0] * math.prod(lax.axis_size(a) for a in axes),) + param.shape[1:]
     return cast_varying(jnp.zeros(shape, param.dtype), axes)
 
 
-def _ignoring_blocks(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable[..., jax.Array]:
-    def loss(whole, blocks, batch):
-        del blocks  # already gathered into whole
-        return loss_fn(whole, batch)
-    return loss
-
-
 def _regathering(loss_fn: Callable[[Any, Any], jax.Array],
                  axes: tuple[str, ...]) -> Callable[..., jax.Array]:
-    """``loss_fn`` on blocks gathered one by one, and again for the backward.
-
-    The remat policy saves everything but the gathered params (named
-    ``_GATHERED``) and the all-gathers over the data axis that make them:
-    the backward pass gathers each block once more from the block itself,
-    instead of keeping the whole model live between the passes.
-    """
+    """``loss_fn`` on blocks gathered one by one, and again for the backward."""
     def policy(prim, *_, **params):
         if prim.name == "name":
             return params.get("name") != _GATHERED
         return not (prim.name == "all_gather"
-                    and params.get("axis_name") == as_tuple(_gather_axes(axes)))
+                    and params.get("axis_name") == axes)
 
     def loss(stand_ins, blocks, batch):
         def whole(stand_in, block):
@@ -577,11 +494,7 @@ def _regathering(loss_fn: Callable[[Any, Any], jax.Array],
 
 @jax.custom_vjp
 def _grad_into(value: jax.Array, stand_in: jax.Array) -> jax.Array:
-    """``value``, whose gradient goes to ``stand_in`` (no sum over the axis).
-
-    Differentiating through the gather itself would reduce-scatter the
-    gradient; this leaves the reduction to ``tx``.
-    """
+    """``value``, whose gradient goes to ``stand_in`` (no sum over the axis)."""
     del stand_in
     return value
 
@@ -591,11 +504,7 @@ _grad_into.defvjp(lambda value, stand_in: (value, None),
 
 
 def _check_reduced(updates: Any, axes: tuple[str, ...], params: Any) -> None:
-    """Refuses updates that still differ by rank (``tx`` reduced nothing).
-
-    The update of an FSDP block (a param that varies over the data axis) is
-    that rank's own.
-    """
+    """Refuses updates that still differ by rank, except FSDP blocks' own."""
     blocks = [axes[0] in varying_axes(p) for p in jax.tree_util.tree_leaves(params)]
     with_paths = jax.tree_util.tree_leaves_with_path(updates)
     if len(blocks) != len(with_paths):
