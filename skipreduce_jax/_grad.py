@@ -208,7 +208,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         return lambda *args, **kwargs: make(_axis_of_batch(
             [a for i, a in enumerate(args) if i not in params_at and (
                 given is None or i in given)], mesh))(*args, **kwargs)
-    axes = mesh_axes(mesh, _resolve_axis(axis_name, mesh), api=_API)
+    axes = mesh_axes(mesh, mesh.axis_names[0] if axis_name is None else axis_name, api=_API)
     if len(axes) > 2:
         raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
                          "axis, or two (outer, inner) for hierarchical SkipReduce.")
@@ -333,7 +333,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         per_rank = per_rank_flags(sample)
         stacked = [v or f for v, f in zip(traced.out_varying, per_rank, strict=True)]
         with_paths = jax.tree_util.tree_flatten_with_path(sample)[0]
-        for (path, _), f, aval in zip(with_paths, per_rank, _out_avals(traced), strict=True):
+        avals = [v.aval for v in traced.jaxpr.outvars]
+        for (path, _), f, aval in zip(with_paths, per_rank, avals, strict=True):
             if f and not aval.ndim:
                 raise ValueError(
                     f"{_API}: skipreduce_jax.PerRank at {_where(path)} holds a "
@@ -371,7 +372,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
 
         def pipeline(step, consts, *args):
             in_specs = ([P()] * len(consts),) + tuple(
-                _specs_like(a, split if i in batch else P()) for i, a in enumerate(args))
+                jax.tree_util.tree_map(lambda _, i=i: split if i in batch else P(), a)
+                for i, a in enumerate(args))
             outs, grads = jax.shard_map(
                 local, mesh=mesh if not explicit else None, in_specs=in_specs,
                 out_specs=([split if s else P() for s in stacked], split),
@@ -420,11 +422,6 @@ def _resolve_mesh(mesh: Any) -> Any:
         raise ValueError(f"{_API}: the mesh has no axes; pass the device mesh, "
                          "e.g. jax.make_mesh((jax.device_count(),), ('data',)).")
     return mesh
-
-
-def _resolve_axis(axis_name: AxisNames | None, mesh: Any) -> AxisNames:
-    """``axis_name``, or the mesh's only axis."""
-    return axis_name if axis_name is not None else mesh.axis_names[0]
 
 
 def _axis_of_batch(batch: Sequence[Any], mesh: Any) -> str:
@@ -563,10 +560,7 @@ def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
 
 
 def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
-    """The params, as ``jax.value_and_grad`` returns their grads.
-
-    ``single``: ``argnums`` is an int (else a tuple, grads as a tuple).
-    """
+    """The params, as ``jax.value_and_grad`` returns their grads (``single``: one)."""
     return args[params_at[0]] if single else tuple(args[i] for i in params_at)
 
 
@@ -606,14 +600,6 @@ def _rows_in_order(x: jax.Array, microbatches: int) -> jax.Array:
     if microbatches == 1:
         return x
     return jnp.reshape(jnp.moveaxis(x, 0, 1), (-1,) + x.shape[2:])
-
-
-def _specs_like(tree: Any, spec: P) -> Any:
-    return jax.tree_util.tree_map(lambda _: spec, tree)
-
-
-def _out_avals(traced: Any) -> list[Any]:
-    return [v.aval for v in traced.jaxpr.outvars]
 
 
 def _under(path: Any, prefix: tuple[int, ...]) -> bool:
