@@ -84,6 +84,18 @@ def _check_phase(phase: Any, api: str, modulus: int) -> jax.Array:
     return jnp.asarray(phase, jnp.int32) % max(modulus, 1)
 
 
+def _checked(axis_size: Any, num_skip: Any, randomize: Any, key: Any, api: str
+             ) -> tuple[int, int, bool]:
+    """``make_schedule``'s and ``make_scatter_schedule``'s common arguments."""
+    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1, type_error=ValueError)
+    num_skip = check_int(num_skip, "num_skip", api=api, minimum=0, maximum=axis_size - 1,
+                         type_error=ValueError, what=f"for axis_size={axis_size}")
+    randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
+    if randomized and key is None:
+        raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
+    return axis_size, num_skip, randomized
+
+
 def default_chunks_per_rank(slot_elements: int) -> int:
     """Sub-chunks per slot by default: one per ``MIN_SUBCHUNK_ELEMENTS`` elements.
 
@@ -174,17 +186,11 @@ def make_schedule(axis_size: int, *, num_skip: int, chunks_per_rank: int = 1,
         [[3], [3], [3], [3]]
     """
     api = "make_schedule"
-    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1, type_error=ValueError)
+    axis_size, num_skip, randomized = _checked(axis_size, num_skip, randomize, key, api)
     chunks_per_rank = check_int(chunks_per_rank, "chunks_per_rank", api=api,
                                 minimum=1, type_error=ValueError)
-    num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
-                         maximum=axis_size - 1, type_error=ValueError,
-                         what=f"for axis_size={axis_size}")
-    randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
     phase = _check_phase(phase, api, axis_size)
     if randomized:
-        if key is None:
-            raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
         offsets = jax.random.randint(key, (chunks_per_rank,), 0, axis_size, dtype=jnp.int32)
         offsets = (offsets - phase * (axis_size - num_skip)) % axis_size
     else:
@@ -249,16 +255,10 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
         ([1, 2], [True, True, True, False])
     """
     api = "make_scatter_schedule"
-    axis_size = check_int(axis_size, "axis_size", api=api, minimum=1, type_error=ValueError)
-    num_skip = check_int(num_skip, "num_skip", api=api, minimum=0,
-                         maximum=axis_size - 1, type_error=ValueError,
-                         what=f"for axis_size={axis_size}")
-    randomized = check_bool(randomize, "randomize", api=api) and num_skip > 0
+    axis_size, num_skip, randomized = _checked(axis_size, num_skip, randomize, key, api)
     sends = axis_size - 1 - num_skip
     phase = _check_phase(phase, api, axis_size - 1)
     if randomized:
-        if key is None:
-            raise ValueError("key=None: Random SkipReduce needs a PRNG key.")
         order = jax.random.permutation(key, axis_size - 1).astype(jnp.int32)
         places = (phase * sends + jnp.arange(sends, dtype=jnp.int32)) % (axis_size - 1)
         shifts = jnp.sort(order[places]) + 1

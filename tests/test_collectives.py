@@ -116,14 +116,18 @@ def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
         assert not np.array_equal(native[0], x.sum(0))  # something was dropped
 
 
-def test_the_reorder_in_place_and_as_a_gather_agree():
-    # The collectives roll the moving columns in place; skip_reduce keeps the
-    # gather (fusable into the update). Same values for every key, also
-    # where no column moves (k = 0) or every one does.
+@pytest.mark.parametrize("length,block_bytes", [(5, 1 << 17), (12, 16), (96, 64)])
+def test_the_reorder_in_place_and_as_a_gather_agree(monkeypatch, length, block_bytes):
+    # The collectives roll the moving columns in place, block by block;
+    # skip_reduce keeps the gather (fusable into the update). Same values for
+    # every key, also where no column moves (k = 0) or every one does, with
+    # columns cut in 1 (5), 4 (12: blocks of 3) and 16 (96: blocks of 6).
+    from skipreduce_jax import _ring
     from skipreduce_jax._ring import put_in_slot_order
 
+    monkeypatch.setattr(_ring, "ROLL_BLOCK_BYTES", block_bytes)
     n, columns = 4, 8
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(n, columns, 5)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(n, columns, length)), jnp.float32)
     for seed in range(6):
         for k in range(n):
             s = sr.make_schedule(n, num_skip=k, chunks_per_rank=columns,
