@@ -34,7 +34,9 @@ schedule, drawn afresh every step), ``random-c1`` and ``random-c4`` (``chunks_pe
 kernel packed output unit first, so one unit's weights share their drop;
 ``random-units-cK`` with ``chunks_per_rank=K``; ``-iid`` after any of these
 for ``balanced=False``), ``static`` (``randomize=False``),
-``random+ef`` (error feedback), ``random-sel`` (Random with the
+``random+ef`` (error feedback), ``random+efB`` (partial error feedback: a
+fraction B, e.g. 0.25, of what was left out comes back at the next step;
+:func:`partial_feedback`), ``random-sel`` (Random with the
 workload's selective rule: for ``cnn-bn``, every Conv and BatchNorm leaf on
 a full all-reduce), ``random-radial`` (``exact_radial=True``: each output
 channel's update along its weights exact, vectors fully reduced; the default
@@ -112,6 +114,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
+from skipreduce_jax.cost import skip_ratio_to_num_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS = "data"
@@ -142,6 +145,9 @@ _WARMUP = re.compile(r"random-w([1-9][0-9]*)(-fv)?$")
 # all-reduce-fvW: the all-reduce with the variance frozen after W steps (the
 # control: what freezing does without skipping).
 _FROZEN = re.compile(r"all-reduce-fv([1-9][0-9]*)$")
+# random+efB: partial error feedback, a fraction B in (0, 1) of what was left
+# out delivered at the next step (partial_feedback).
+_PARTIAL_EF = re.compile(r"random\+ef(0\.[0-9]*[1-9])$")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 NUM_CLASSES_MLP = 16
 # Workloads whose target is not read at ``--target-fraction``: the all-reduce's
@@ -163,6 +169,9 @@ def label(variant: str) -> str:
     match = _FROZEN.match(variant)
     if match:
         return f"all-reduce, AdamW's variance frozen after {match.group(1)} steps"
+    match = _PARTIAL_EF.match(variant)
+    if match:
+        return f"Random + error feedback of {match.group(1)} of what was left out"
     match = _WARMUP.match(variant)
     if match:
         frozen = ", then AdamW's variance frozen" if match.group(2) else ""
@@ -173,10 +182,11 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN)):
+            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN, _PARTIAL_EF)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
                          f"{', '.join(VARIANTS)}, random[-units][-cK][-iid], "
-                         "random-wW[-fv] or all-reduce-fvW (K, W >= 1).")
+                         "random-wW[-fv], all-reduce-fvW (K, W >= 1) or random+efB "
+                         "(0 < B < 1).")
     return variant
 
 
@@ -544,7 +554,7 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
-    elif variant == "random+ef":
+    elif variant == "random+ef" or _PARTIAL_EF.match(variant):
         kwargs["error_feedback"] = True
     elif variant in ("random-radial", "random-noradial"):
         kwargs["exact_radial"] = variant == "random-radial"
@@ -555,6 +565,29 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
     else:
         check_variant(variant)
     return kwargs
+
+
+def partial_feedback(reducer: optax.GradientTransformation, fraction: float,
+                     ranks: int, num_skip: int) -> optax.GradientTransformation:
+    """``reducer`` (error feedback on) with only ``fraction`` of each residual kept.
+
+    Error feedback divides the skipped sum by N and adds what was left out
+    to the next step. Keeping ``fraction`` B of it delivers, per element,
+    the N - k summed values now and B times the k left out later, so the
+    sum is divided by N - (1 - B) k instead to stay unbiased: B = 0 is
+    Random without error feedback, B = 1 error feedback. Composed around
+    the library's transformation (its state's ``residual`` scaled on the
+    way out), not part of the library.
+    """
+    scale = ranks / (ranks - (1 - fraction) * num_skip)
+
+    def update_fn(updates, state, params=None):
+        updates, state = reducer.update(updates, state, params)
+        return (jax.tree_util.tree_map(lambda u: u * scale, updates),
+                state._replace(residual=jax.tree_util.tree_map(
+                    lambda r: r * fraction, state.residual)))
+
+    return optax.GradientTransformation(reducer.init, update_fn)
 
 
 def freeze_steps(variant: str) -> int | None:
@@ -721,6 +754,10 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
     lr = work.lr[optimizer] if lr is None else lr
     freeze_after = freeze_steps(variant)
     reducer = bfloat16_pmean() if variant == "psum-bf16" else sr.skip_reduce(AXIS, **kwargs)
+    partial = _PARTIAL_EF.match(variant)
+    if partial:
+        reducer = partial_feedback(reducer, float(partial.group(1)), ranks,
+                                   skip_ratio_to_num_skip(skip_ratio, ranks))
     tx = make_optimizer(optimizer, lr, reducer, freeze_after, momentum)
     train, batch = work.train, work.batch_per_rank
     if variant == "bound":

@@ -308,3 +308,39 @@ def test_named_mlp_target_is_the_smoothed_loss_at_step_200():
         cv.target_at(_history([3.0, 2.0]), 200, 3)
     with pytest.raises(SystemExit):
         cv.parse_args(["--workloads", "mlp-named", "--steps", "150"])
+
+
+def test_partial_error_feedback_keeps_a_fraction_of_the_residual():
+    # random+efB: error feedback whose residual is scaled by B on the way
+    # out, the update by N / (N - (1 - B) k), so that it stays unbiased.
+    assert cv.reduce_kwargs("random+ef0.25", 0.5, 3) == dict(
+        skip_ratio=0.5, min_size=0, seed=3, error_feedback=True)
+    assert cv.label("random+ef0.25") == (
+        "Random + error feedback of 0.25 of what was left out")
+    for bad in ("random+ef0", "random+ef1.0", "random+ef0.50"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            cv.check_variant(bad)
+    mesh = jax.make_mesh((8,), ("data",))
+    grads = jax.device_put({"w": np.random.default_rng(0).normal(size=(8, 24)).astype(
+        np.float32)}, NamedSharding(mesh, P("data")))
+
+    def first_step(tx):
+        opt_state = sr.init_opt_state(tx, {"w": jnp.zeros(24)}, mesh, "data")
+        specs = sr.state_specs(opt_state, "data")
+
+        def local(g, state):
+            return tx.update({"w": g["w"][0]}, state, {"w": jnp.zeros(24)})
+
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), specs),
+                                     out_specs=(P(), specs)))(grads, opt_state)
+
+    def ef():
+        return sr.skip_reduce("data", num_skip=4, min_size=0, error_feedback=True, seed=1)
+
+    full_update, full_state = first_step(ef())
+    update, state = first_step(cv.partial_feedback(ef(), 0.25, 8, 4))
+    np.testing.assert_allclose(update["w"] * (8 - 0.75 * 4), full_update["w"] * 8,
+                               rtol=1e-6)
+    np.testing.assert_allclose(state.residual["w"], 0.25 * full_state.residual["w"],
+                               rtol=1e-6)
+    assert np.abs(np.asarray(full_state.residual["w"])).sum() > 0  # something left out
