@@ -43,12 +43,9 @@ def check_int(value: Any, name: str, *, api: str | None = None,
               allowed: str = "", what: str = "") -> int | None:
     """``int(value)`` (a Python or numpy integer) in ``[minimum, maximum]``.
 
-    A bound of None is no bound; ``allow_none`` accepts None (returned as
-    it is). ``type_error`` is raised for a value that is not an int
-    (ValueError where a caller's tests and users expect it); a value out of
-    range raises ValueError. ``allowed``: what the message says is allowed
-    (default: from the bounds, e.g. "a non-negative int"); ``what``:
-    appended to the message, e.g. what None means.
+    A bound of None is no bound; ``allow_none`` accepts None. A non-int
+    raises ``type_error``, a value out of range ValueError. ``allowed``:
+    what the message allows (default from the bounds); ``what``: appended.
     """
     if value is None and allow_none:
         return None
@@ -62,18 +59,10 @@ def check_int(value: Any, name: str, *, api: str | None = None,
             maximum is None or number <= maximum)
     if in_range:
         return int(number)
-    if allowed:
-        pass
-    elif minimum is not None and maximum is not None:
-        allowed = f"an int in [{minimum}, {maximum}]"
-    elif minimum == 1:
-        allowed = "a positive int"
-    elif minimum == 0:
-        allowed = "a non-negative int"
-    elif minimum is not None:
-        allowed = f"an int >= {minimum}"
-    else:
-        allowed = "an int"
+    if not allowed:
+        allowed = (f"an int in [{minimum}, {maximum}]" if None not in (minimum, maximum)
+                   else {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(
+                       minimum, f"an int >= {minimum}"))
     if allow_none and "None" not in allowed:
         allowed += " or None"
     error = ValueError if ok else type_error
@@ -94,8 +83,7 @@ def check_real(value: Any, name: str, *, api: str | None = None,
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise TypeError(
-            f"{prefix}{name} must be a real number, got {value!r}") from None
+        raise TypeError(f"{prefix}{name} must be a real number, got {value!r}") from None
     if not math.isfinite(number):
         raise ValueError(f"{prefix}{name} must be finite, got {value!r}")
     if positive and not number > 0:

@@ -32,7 +32,7 @@ from skipreduce_jax._buckets import (
     plan_blocks,
     plan_buckets,
 )
-from skipreduce_jax._config import RingSettings, SkipConfig, ring_settings
+from skipreduce_jax._config import RingSettings, SkipConfig, config_or_keywords, ring_settings
 from skipreduce_jax._schedule import (
     ScatterSchedule,
     SkipSchedule,
@@ -476,6 +476,7 @@ def ring_psum(
     return _reduce(x, ring, key=None, phase=0, scale=None, gather=gather, specs=specs)
 
 
+@config_or_keywords
 def skip_psum(
     x: PyTree,
     axis_name: str,
@@ -513,13 +514,10 @@ def skip_psum(
         over the axis is refused at trace time under ``check_vma=True``;
         with ``check_vma=False`` JAX's types cannot tell.
       num_skip: k, a Python int in [0, N - 1]. Give it or ``config``.
-      config: the ring settings as one :class:`SkipConfig`, in place of the
-        keywords ``num_skip`` (or the config's ``skip_ratio``), ``randomize``,
-        ``chunks_per_rank``, ``bucket_bytes``, ``accumulate_dtype``,
-        ``comm_dtype`` and ``layout``, which must then be left out
-        (``dataclasses.replace(config, ...)`` changes one). Its other fields,
-        the optimizer's (``seed``, ``selective``, ``min_size``,
-        ``error_feedback``, ...), are not read.
+      config: a :class:`SkipConfig` in place of the keywords ``num_skip``
+        (or its ``skip_ratio``), ``randomize``, ``chunks_per_rank``,
+        ``bucket_bytes``, ``accumulate_dtype``, ``comm_dtype`` and
+        ``layout`` (refused beside it); its other fields are not read.
       randomize: False is static SkipReduce: the same k ranks are left out
         for a given element whatever the key (biased; for comparison).
       phase: the step's place in a balanced period: with the key and phase
@@ -549,14 +547,9 @@ def skip_psum(
         16-bit values cross packed in uint32 words (XLA:CPU would widen a
         16-bit float collective to float32); GPU and TPU send them as they
         are. Only ``axis_name`` is narrowed; an ``inner_axis`` is summed in
-        ``accumulate_dtype``. Overflow: float16's range ends at 65504, and
-        partial sums grow along the ring; if any sum sent crosses as Inf, or
-        the result holds a NaN or Inf for any other reason, every element
-        of the result is NaN on every rank (one check of the result; no Inf
-        in some elements only, never a finite wrong value). Check it with
-        ``jnp.isfinite``, skip the step (``optax.apply_if_finite``), scale
-        the values down, or send ``jnp.bfloat16``, which has float32's range
-        and is not checked.
+        ``accumulate_dtype``. A float16 sum that overflows makes every
+        element NaN on every rank (:doc:`/guarantees`, "16-bit wire
+        overflow"); ``jnp.bfloat16`` has float32's range.
       layout: ``"flat"`` packs each leaf in its own order; ``"units"``
         packs a leaf of two or more dimensions with its last axis (a
         kernel's output units) first, so the values that feed one output
@@ -594,6 +587,7 @@ def skip_psum(
                    specs=specs)
 
 
+@config_or_keywords
 def skip_pmean(
     x: PyTree,
     axis_name: str,
@@ -631,6 +625,7 @@ def skip_pmean(
                   specs=specs)
 
 
+@config_or_keywords
 def skip_pmean_and_left_out(
     x: PyTree,
     axis_name: str,
@@ -705,6 +700,7 @@ def pmean_for_update(x: PyTree, axis_name: str, *, config: SkipConfig, key: Any,
                   with_left_out=with_left_out, in_place=False)
 
 
+@config_or_keywords
 def contribution_mask(
     x: PyTree,
     axis_name: str,
@@ -813,6 +809,7 @@ def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
     return plan.unpack(rows, fill=zeros)
 
 
+@config_or_keywords
 def skip_psum_scatter(
     x: PyTree,
     axis_name: str,
@@ -895,6 +892,7 @@ def skip_psum_scatter(
     return _scatter(x, ring, key=key, phase=phase, scale=scale)
 
 
+@config_or_keywords
 def scatter_contribution_mask(
     x: PyTree,
     axis_name: str,

@@ -8,6 +8,7 @@ code takes. A new ring setting is a field here and a keyword of the collectives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,17 @@ def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
             f"(got config and {sorted(options)}); dataclasses.replace(config, ...) "
             "changes some of them.")
     return config
+
+
+def config_or_keywords(fun):
+    """Makes ``fun`` refuse ``config=`` beside an option keyword, even one at its default."""
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        given = sorted(set(SKIP_OPTIONS) & kwargs.keys())
+        if kwargs.get("config") is not None and given:
+            skip_config(kwargs["config"], dict.fromkeys(given), api=fun.__name__)
+        return fun(*args, **kwargs)
+    return call
 
 
 def is_default(name: str, value: Any) -> bool:
@@ -193,15 +205,13 @@ def ring_settings(axis_name: Any, inner_axis: Any, config: SkipConfig | None,
                   keywords: dict[str, Any], *, api: str) -> RingSettings:
     """The :class:`RingSettings` of one call of ``api`` (its axes bound).
 
-    ``keywords``: the call's ring-setting keywords (other names are ignored).
-    With a ``config`` they must be at their defaults: the config gives them.
-    Without one, ``num_skip`` must be given.
+    ``keywords``: the call's ring-setting keywords (other names are ignored),
+    unused with a ``config`` (the public functions refuse both:
+    :func:`config_or_keywords`). Without one, ``num_skip`` must be given.
     """
     values = {**_DEFAULTS, **{k: v for k, v in keywords.items() if k in RING_OPTIONS}}
     if config is not None:
-        skip_config(config, {k: v for k, v in keywords.items()
-                             if k in RING_OPTIONS and not is_default(k, v)}, api=api)
-        values = vars(config)
+        values = vars(skip_config(config, {}, api=api))
     elif values["num_skip"] is None:
         raise TypeError(
             f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or config= "

@@ -37,6 +37,7 @@ from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._config import (
     SKIP_OPTIONS,
     SkipConfig,
+    config_or_keywords,
     is_default,
     resolve_num_skip,
     ring_settings,
@@ -144,6 +145,7 @@ class _Config(SkipConfig):
         return flags
 
 
+@config_or_keywords
 def skip_reduce(
     axis_name: str,
     *,
@@ -186,9 +188,7 @@ def skip_reduce(
       axis_name: the data-parallel mesh axis (the slow one with
         ``inner_axis``).
       config: all the options below but ``inner_axis``, as one
-        :class:`SkipConfig`. Pass none of them as keywords then: one that
-        differs from its default is refused, but one equal to its default
-        cannot be told from one not passed, and the config's value wins.
+        :class:`SkipConfig`. Pass none of them as keywords then (refused).
       num_skip: k, the reduce-scatter steps skipped, an int in [0, N - 1].
       skip_ratio: the fraction of the N - 1 reduce-scatter steps to skip,
         rounded half up to k: 0.5 on 8 ranks gives k = 4.

@@ -6,6 +6,7 @@ give the same transformation, the same bytes and the same fingerprint.
 """
 
 import dataclasses
+import functools
 import inspect
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import bit_inputs, per_rank
+from helpers import per_rank
 
 import skipreduce_jax as sr
 
@@ -182,8 +183,18 @@ def test_neither_num_skip_nor_a_config_is_refused(api):
         getattr(sr, api)(jnp.ones((8, 4)), "i", key=None, config={"num_skip": 1})
 
 
-def test_a_keyword_left_at_its_default_defers_to_the_config():
-    tree = bit_inputs(8, 64)
-    config = sr.SkipConfig(num_skip=2, randomize=False)
-    got = _on_ranks("skip_psum", tree, config=config, randomize=True)
-    _assert_same(got, _on_ranks("skip_psum", tree, num_skip=2, randomize=False))
+@pytest.mark.parametrize("api,keyword", [
+    (api, keyword) for api in [*COLLECTIVES, "skip_reduce"]
+    for keyword in (dict(randomize=True), dict(layout="flat"),
+                    dict(bucket_bytes=inspect.signature(sr.skip_psum).parameters["bucket_bytes"].default))
+    if next(iter(keyword)) in inspect.signature(getattr(sr, api)).parameters])
+def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
+    # Not silently the config's value: a keyword given is refused even where
+    # it equals its default (the config here says randomize=False).
+    name = next(iter(keyword))
+    config = sr.SkipConfig(num_skip=1, randomize=False)
+    call = (functools.partial(sr.skip_reduce, "i") if api == "skip_reduce" else
+            functools.partial(getattr(sr, api), jnp.ones((8, 4)), "i", key=None))
+    with pytest.raises(TypeError, match=rf"^{api}: pass the settings as config= or as "
+                       rf"keyword options, not both \(got config and \['{name}'\]\)"):
+        call(config=config, **keyword)
