@@ -183,10 +183,13 @@ def test_neither_num_skip_nor_a_config_is_refused(api):
         getattr(sr, api)(jnp.ones((8, 4)), "i", key=None, config={"num_skip": 1})
 
 
+DEFAULT_BUCKET_BYTES = inspect.signature(sr.skip_psum).parameters["bucket_bytes"].default
+
+
 @pytest.mark.parametrize("api,keyword", [
     (api, keyword) for api in [*COLLECTIVES, "skip_reduce"]
     for keyword in (dict(randomize=True), dict(layout="flat"),
-                    dict(bucket_bytes=inspect.signature(sr.skip_psum).parameters["bucket_bytes"].default))
+                    dict(bucket_bytes=DEFAULT_BUCKET_BYTES))
     if next(iter(keyword)) in inspect.signature(getattr(sr, api)).parameters])
 def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
     # Not silently the config's value: a keyword given is refused even where
