@@ -30,14 +30,15 @@ from skipreduce_jax._closure import with_args
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
     AxisNames,
+    PerRank,
     check_batch,
-    data_spec,
     markers,
     mesh_axes,
     per_rank_flags,
     positions,
+    run_per_rank,
 )
-from skipreduce_jax._replay import closed_over, divisor, replay, trace
+from skipreduce_jax._replay import closed_over, constants, divisor, replay, trace, unfed
 from skipreduce_jax._transform import (
     NothingSkippedWarning,
     SkipConfig,
@@ -46,7 +47,6 @@ from skipreduce_jax._transform import (
     skip_reduce,
 )
 from skipreduce_jax._transform import _update as skip_update
-from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
 _CLOSED_OVER = (
@@ -302,7 +302,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             loss = _closing_over(loss, closed + others)
         if traced and (closed or others):
             traced = _trace(loss, args, batch)
-        elif not traced:
+        typed = not traced
+        if typed:
             try:
                 traced = _trace(loss, args, batch, typed=True)
             except Exception:
@@ -313,10 +314,17 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         if not rows:
             _warn_nothing_split(traced.consts, ranks, axes)
         _warn_global_divisor(traced, rows, ranks)
-        return run(traced, step, args, batch, params, specs)
+        # An output no argument feeds (a count from the batch's shapes) is
+        # what jax.value_and_grad gives: traced on the global (micro-)batch.
+        fixed = unfed(traced)
+        fixed = dict(zip(fixed, constants(
+            _trace(loss, args, batch, typed=typed, parts=microbatches), fixed),
+            strict=True)) if fixed else {}
+        return run(traced, step, args, batch, params, specs, fixed)
 
-    def _trace(fun, args, batch, typed=False):
-        return trace(fun, [_shapes(a, ranks * microbatches if i in batch else 1)
+    def _trace(fun, args, batch, typed=False, parts=None):
+        parts = ranks * microbatches if parts is None else parts
+        return trace(fun, [_shapes(a, parts if i in batch else 1)
                            for i, a in enumerate(args)],
                      [i in batch for i in range(len(args))], mesh, axes,
                      [_type_spec(x) for x in jax.tree_util.tree_leaves(args)]
@@ -324,9 +332,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
 
     any_explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
 
-    def run(traced, step, args, batch, params, specs):
+    def run(traced, step, args, batch, params, specs, fixed):
         """The traced loss per rank (its own gradients), then the ring."""
-        split = data_spec(axes)
         grad = jax.value_and_grad(replay(traced, markers(axes)), argnums=argnums,
                                   has_aux=has_aux)
         sample = traced.out_tree.unflatten([0] * traced.out_tree.num_leaves)
@@ -349,18 +356,18 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                                     microbatches, has_aux=has_aux)
             leaves = [_rows_in_order(x, microbatches) if f else x
                       for x, f in zip(jax.tree_util.tree_leaves(out), per_rank, strict=True)]
-            leaves = [x[None] if s else x for x, s in zip(leaves, stacked, strict=True)]
-            return leaves, jax.tree_util.tree_map(lambda g: g[None], grads)
+            return ([PerRank(x[None]) if s else x for x, s in zip(leaves, stacked, strict=True)],
+                    PerRank(jax.tree_util.tree_map(lambda g: g[None], grads)))
 
         def reduce(step, local_params, grads, outs):
             """The ring over the ranks' gradients; the mean of their values."""
-            grads = jax.tree_util.tree_map(lambda g: g[0], grads)
+            grads = jax.tree_util.tree_map(lambda g: g[0], grads.value)
             state = tx.init(local_params)._replace(count=step)
             grads, _ = skip_update(settings, grads, state, local_params, specs=specs)
             return [lax.psum(x[0], axes) if total else
                     _mean_over_ranks(x[0], path, axes, rows if not _under(path, state_path)
                                      else set())
-                    for x, path, total in zip(outs, mean_paths, sums, strict=True)], grads
+                    for x, path, total in zip(outs.value, mean_paths, sums, strict=True)], grads
 
         mean_at = [i for i, (v, f) in enumerate(zip(traced.out_varying, per_rank,
                                                     strict=True)) if v and not f]
@@ -369,40 +376,34 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         # is summed over the ranks; the value and other leaves averaged.
         sums = [i > 0 and traced.out_sums[i] for i in mean_at]
         rows = {r // microbatches for r in _local_rows(args, batch, ranks)}
+        param_layouts = [(s, np.ndim(x)) for s, x in zip(
+            specs, jax.tree_util.tree_leaves(params), strict=True)]
+        specs_at = {i: iter(specs) for i in params_at}
 
-        def pipeline(step, consts, *args):
-            in_specs = ([P()] * len(consts),) + tuple(
-                jax.tree_util.tree_map(lambda _, i=i: split if i in batch else P(), a)
-                for i, a in enumerate(args))
-            outs, grads = jax.shard_map(
-                local, mesh=mesh if not explicit else None, in_specs=in_specs,
-                out_specs=([split if s else P() for s in stacked], split),
-                axis_names=set(axes), check_vma=False)(consts, *args)
-            means, grads = jax.shard_map(
-                reduce, mesh=mesh if not explicit else None,
-                in_specs=(P(), P(), split, split), out_specs=(P(), P()),
-                axis_names=set(axes), check_vma=True)(
-                    step, _params_of(args, params_at, single), grads,
-                    [outs[i] for i in mean_at])
-            for i, m in zip(mean_at, means, strict=True):
-                outs[i] = m
-            outs = [jnp.reshape(x, (-1,) + x.shape[2:]) if f else x
-                    for x, f in zip(outs, per_rank, strict=True)]
-            return traced.out_tree.unflatten(outs), grads
+        def arg_specs(i, a):
+            return [next(specs_at[i], None) if i in specs_at else None
+                    for _ in jax.tree_util.tree_leaves(a)]
 
-        explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                         if t == jax.sharding.AxisType.Explicit)
-        if not explicit:
-            return pipeline(step, traced.consts, *args)
-        # Under Explicit axes a (partial-manual) shard_map takes its inputs
-        # only as Auto (on the context mesh auto_axes sets); the outputs are
-        # pinned to the layouts they have: the grads the params'.
-        grad_shardings = jax.tree_util.tree_structure(params).unflatten(
-            [NamedSharding(mesh, s or P()) for s in specs])
-        out_shardings = traced.out_tree.unflatten(
-            [NamedSharding(mesh, split if f else P()) for f in per_rank])
-        return jax.sharding.auto_axes(pipeline, axes=explicit, out_sharding=(
-            out_shardings, grad_shardings))(step, traced.consts, *args)
+        consts = traced.consts
+        outs, grads = run_per_rank(
+            local, mesh, axes, [consts, *args],
+            [[None] * len(consts)] + [arg_specs(i, a) for i, a in enumerate(args)],
+            batch=[i + 1 for i in batch], manual=set(axes), api=_API, check_vma=False, retype=True,
+            layouts=[None] * len(stacked) + param_layouts)
+        outs = [x.value if s else x for x, s in zip(outs, stacked, strict=True)]
+        means, grads = run_per_rank(
+            reduce, mesh, axes, [step, params, grads, PerRank([outs[i] for i in mean_at])],
+            [[None], list(specs), [None] * len(specs), [None] * len(mean_at)],
+            batch=[], manual=set(axes), api=_API, retype=True,
+            layouts=[None] * len(mean_at) + param_layouts)
+        for i, m in zip(mean_at, means, strict=True):
+            outs[i] = m
+        for i, value in fixed.items():  # aux is stacked per micro-batch
+            outs[i] = (value if jnp.shape(value) == jnp.shape(outs[i])
+                       else jnp.broadcast_to(value, jnp.shape(outs[i])))
+        outs = [jnp.reshape(x, (-1,) + x.shape[2:]) if f else x
+                for x, f in zip(outs, per_rank, strict=True)]
+        return traced.out_tree.unflatten(outs), grads
 
     return wrapped
 
@@ -641,15 +642,6 @@ def _mean_over_ranks(leaf: Any, path: Any, axes: tuple[str, ...],
             "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
             "the loss (e.g. jnp.mean(x)).", stacklevel=5)
     return lax.pmean(leaf, axes)
-
-
-def mean_over_ranks(out: Any, axes: tuple[str, ...]) -> Any:
-    """In a per-rank body: each leaf that differs per rank, its mean over ranks."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
-    return treedef.unflatten([
-        _mean_over_ranks(leaf, path, vary, set()) if vary else leaf
-        for path, leaf in with_paths
-        for vary in [tuple(a for a in axes if a in varying_axes(leaf))]])
 
 
 def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,

@@ -48,7 +48,7 @@ def accumulate(grad: Callable[..., Any], args: Sequence[Any], batch: Sequence[in
         return jax.tree_util.tree_map(jnp.add, total, grads), out
 
     total, outs = lax.scan(body, first, jax.tree_util.tree_map(lambda x: x[1:], micro))
-    outs = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]),
+    outs = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]),
                                   first_out, outs)
     grads = jax.tree_util.tree_map(lambda g: g / microbatches, total)
     if not has_aux:

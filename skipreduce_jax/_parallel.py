@@ -415,94 +415,124 @@ class DataParallelStep:
         return tuple(placed)
 
     def _traced(self, *args):
-        axes, spec = self._axes, data_spec(self._axes)
         dynamic = [i for i in range(len(args)) if i not in self._static]
         arg_specs = [(self._specs[i] if self._specs else None)
                      or [None] * len(jax.tree_util.tree_leaves(args[i]))
                      for i in dynamic]
+        manual = self._manual
         if self._manual_rule == "unsharded":
             used = {a for i, specs in zip(dynamic, arg_specs, strict=True)
                     if i not in self._batch for s in specs if s is not None
                     for a in _spec_axes(s)}
-            self._manual = {a for a in self._mesh.axis_names
-                            if a in self._axes or a not in used}
-        manual = self._manual
-        in_specs = []
-        for i, specs in zip(dynamic, arg_specs, strict=True):
-            flags = per_rank_flags(args[i])
-            in_specs += [spec if i in self._batch or f or _leads_with(s, axes) else P()
-                         for f, s in zip(flags, specs, strict=True)]
-        flat, in_tree = jax.tree_util.tree_flatten([args[i] for i in dynamic])
-        other = [_without(s, manual) for specs in arg_specs for s in specs]
-        kept = [(args[i], specs) for i, specs in zip(dynamic, arg_specs, strict=True)
-                if i not in self._batch]
-        found = {}
+            manual = {a for a in self._mesh.axis_names
+                      if a in self._axes or a not in used}
+        full = list(args)
 
-        def local(*local_flat):
-            full = list(args)
-            for i, value in zip(dynamic, in_tree.unflatten(local_flat), strict=True):
+        def step(*dynamic_args):
+            for i, value in zip(dynamic, dynamic_args, strict=True):
                 full[i] = value
-            with _shards.hints(local_flat, other), counting_over(axes):
-                out = self._step_fn(*full)
-            with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
-            found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
-            found["flags"] = per_rank_flags(out)
-            found["layouts"] = _output_layouts(found["tree"], [a for a, _ in kept],
-                                               [s for _, s in kept])
-            blocks = [_leads_with(layout and layout[0], axes) for layout in found["layouts"]]
-            found["rows"] = [f or b for f, b in zip(found["flags"], blocks, strict=True)]
-            _check_outputs(with_paths, found["rows"], axes, self._describe, api=self._api)
-            return tuple(leaf for _, leaf in with_paths)
+            return self._step_fn(*full)
 
-        def probe(*local_flat):
-            local(*local_flat)
-            return ()
+        return run_per_rank(step, self._mesh, self._axes, [args[i] for i in dynamic],
+                            arg_specs, batch=[dynamic.index(i) for i in self._batch],
+                            manual=manual, api=self._api, describe=self._describe)
 
-        compiler = [a for a in self._mesh.axis_names if a not in manual]
-        types = dict(zip(self._mesh.axis_names, self._mesh.axis_types, strict=True))
-        explicit = tuple(a for a in compiler if types[a] == jax.sharding.AxisType.Explicit)
-        # Under Explicit axes a partial-manual shard_map takes sharded leaves
-        # only as Auto, and outputs are pinned to their layouts.
-        sharded = bool(compiler) and any(
-            _without(s, manual) for _, specs in kept for s in specs)
 
-        def mapped(fn, out_specs, out_sharding):
-            kwargs = dict(in_specs=tuple(in_specs), out_specs=out_specs,
-                          axis_names=manual, check_vma=True)
-            if not (sharded and explicit):
-                return jax.shard_map(fn, mesh=self._mesh, **kwargs)
+def run_per_rank(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axes: tuple[str, ...],
+                 args: Sequence[Any], arg_specs: Sequence[Sequence[P | None]], *,
+                 batch: Sequence[int], manual: set[str], api: str,
+                 describe: Callable[[Any], str] = _default_describe,
+                 check_vma: bool = True, layouts: Sequence[Any] | None = None,
+                 retype: bool = False) -> Any:
+    """``fn(*args)`` on every rank of ``axes``: the one per-rank runner, inside jit.
 
-            def inner(*a):
-                return jax.shard_map(fn, **kwargs)(*a)
+    A ``jax.shard_map`` manual over ``manual`` (the data axes, and any other
+    axis no argument is sharded over). ``args[i]`` for ``i`` in ``batch``,
+    :class:`PerRank` leaves and leaves whose rows are split over ``axes``
+    (``arg_specs``: each leaf's spec on ``mesh``, or None) enter as this rank's
+    rows; the rest whole. An abstract trace first finds the outputs: those
+    per rank (:class:`PerRank`, or blocks with an argument's layout) come back
+    stacked along the leading dimension, the rest replicated, refused if they
+    vary. ``layouts``: each output leaf's ``(spec, ndim)`` over the mesh, or
+    None; by default, the layout of the argument with the same structure.
+    ``retype``: the arguments are typed as the caller's jit has them, not
+    placed to match (under Explicit axes, every one of them goes Auto).
+    """
+    spec = data_spec(axes)
+    in_specs = []
+    for i, (arg, specs) in enumerate(zip(args, arg_specs, strict=True)):
+        flags = per_rank_flags(arg)
+        in_specs += [spec if i in batch or f or _leads_with(s, axes) else P()
+                     for f, s in zip(flags, specs, strict=True)]
+    flat, in_tree = jax.tree_util.tree_flatten(list(args))
+    other = [_without(s, manual) for specs in arg_specs for s in specs]
+    kept = [(a, s) for i, (a, s) in enumerate(zip(args, arg_specs, strict=True))
+            if i not in batch]
+    found = {}
 
-            return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_sharding)
+    def local(*local_flat):
+        with _shards.hints(local_flat, other), counting_over(axes):
+            out = fn(*in_tree.unflatten(local_flat))
+        with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
+        found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
+        found["flags"] = per_rank_flags(out)
+        found["layouts"] = (list(layouts) if layouts is not None else _output_layouts(
+            found["tree"], [a for a, _ in kept], [s for _, s in kept]))
+        blocks = [_leads_with(layout and layout[0], axes) for layout in found["layouts"]]
+        found["rows"] = [f or b for f, b in zip(found["flags"], blocks, strict=True)]
+        _check_outputs(with_paths, found["rows"], axes, describe, api=api)
+        return tuple(leaf for _, leaf in with_paths)
 
-        # An abstract trace first finds the outputs' structure and layouts.
-        try:
-            jax.eval_shape(mapped(probe, (), ()), *flat)
-        except ValueError as e:
-            if not any(m in str(e) for m in PJIT_ONLY):
-                raise
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(
-                f"{self._api}: JAX refused a sharding set inside the per-rank step "
-                "(a with_sharding_constraint, or flax unboxing a partitioned "
-                f"kernel): {first} Inside the step the data axes {list(axes)} are "
-                "Manual and each rank holds only its own rows. Constrain with the "
-                "step's mesh and without the data axes, put the constraint in the "
-                "loss given to local_value_and_grad (replayed per rank on Auto "
-                "axes), or keep the step pjit code and take the gradients with "
-                "skipreduce_jax.value_and_grad.") from e
-        out_tree = found["tree"]
-        out_specs = tuple(spec if r else P() for r in found["rows"])
-        full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
-                for layout, ndim, f in zip(found["layouts"], found["ndims"],
-                                           found["flags"], strict=True)]
-        out = mapped(local, out_specs, tuple(full))(*flat)
-        if sharded and not explicit:
-            out = [lax.with_sharding_constraint(o, NamedSharding(self._mesh, f))
-                   for o, f in zip(out, full, strict=True)]
-        return out_tree.unflatten(out)
+    def probe(*local_flat):
+        local(*local_flat)
+        return ()
+
+    compiler = [a for a in mesh.axis_names if a not in manual]
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = tuple(a for a in (mesh.axis_names if retype else compiler)
+                     if types[a] == jax.sharding.AxisType.Explicit)
+    # Under Explicit axes a partial-manual shard_map takes sharded leaves
+    # only as Auto, and outputs are pinned to their layouts.
+    sharded = bool(compiler) and any(
+        _without(s, manual) for _, specs in kept for s in specs)
+
+    def mapped(fn, out_specs, out_sharding):
+        kwargs = dict(in_specs=tuple(in_specs), out_specs=out_specs,
+                      axis_names=manual, check_vma=check_vma)
+        if not (explicit and (sharded or retype)):
+            return jax.shard_map(fn, mesh=mesh, **kwargs)
+
+        def inner(*a):
+            return jax.shard_map(fn, **kwargs)(*a)
+
+        return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_sharding)
+
+    # An abstract trace first finds the outputs' structure and layouts.
+    try:
+        jax.eval_shape(mapped(probe, (), ()), *flat)
+    except ValueError as e:
+        if not any(m in str(e) for m in PJIT_ONLY):
+            raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"{api}: JAX refused a sharding set inside the per-rank step "
+            "(a with_sharding_constraint, or flax unboxing a partitioned "
+            f"kernel): {first} Inside the step the data axes {list(axes)} are "
+            "Manual and each rank holds only its own rows. Constrain with the "
+            "step's mesh and without the data axes, put the constraint in the "
+            "loss given to local_value_and_grad (replayed per rank on Auto "
+            "axes), or keep the step pjit code and take the gradients with "
+            "skipreduce_jax.value_and_grad.") from e
+    out_tree = found["tree"]
+    out_specs = tuple(spec if r else P() for r in found["rows"])
+    full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
+            for layout, ndim, f in zip(found["layouts"], found["ndims"],
+                                       found["flags"], strict=True)]
+    out = mapped(local, out_specs, tuple(full))(*flat)
+    if sharded and not explicit:
+        out = [lax.with_sharding_constraint(o, NamedSharding(mesh, f))
+               for o, f in zip(out, full, strict=True)]
+    return out_tree.unflatten(out)
 
 
 # JAX's and flax's errors for pjit-only sharding code traced per rank.

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal, Var
+from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -158,6 +158,26 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
     return Traced(closed.jaxpr, list(closed.consts), at,
                   jax.tree_util.tree_structure(out), _flags(closed.jaxpr, in_varying),
                   _sums(closed.jaxpr, in_varying, rows), in_varying)
+
+
+def unfed(traced: Traced) -> list[int]:
+    """Output leaves that depend on no argument: constants, or the batch's shapes."""
+    return [i for i, fed in enumerate(_flags(traced.jaxpr, [True] * len(traced.jaxpr.invars)))
+            if not fed]
+
+
+def constants(traced: Traced, outputs: Sequence[int]) -> list[Any]:
+    """The values of ``outputs``, leaves that depend on no argument (see :func:`unfed`)."""
+    jaxpr = traced.jaxpr
+    wanted = [jaxpr.outvars[i] for i in outputs]
+    needed = {v for v in wanted if isinstance(v, Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if needed & set(eqn.outvars):
+            kept.append(eqn)
+            needed |= {v for v in eqn.invars if isinstance(v, Var)}
+    pruned = jaxpr.replace(invars=[], outvars=wanted, eqns=kept[::-1])
+    return jaxpr_as_fun(ClosedJaxpr(pruned, traced.consts))()
 
 
 def closed_over(fun: Callable[..., Any], args: Sequence[Any]) -> list[Any]:

@@ -617,6 +617,32 @@ def test_counts_and_sums_in_aux_are_global(axis_type):
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
 
 
+@AXIS_TYPES
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_counts_from_the_batchs_shape_in_aux_are_global(axis_type, microbatches):
+    """Before: x.shape[0] in aux came back as one rank's rows (8 for 64)."""
+    mesh = _mesh(axis_type)
+    params, x = _data()
+
+    def loss(p, x):
+        aux = {"rows": x.shape[0], "half": x.shape[0] / 2.0,
+               "ones": jnp.sum(jnp.ones(x.shape[0])), "norm": jnp.sum(p["w"] ** 2)}
+        return jnp.mean((x @ p["w"] + p["b"] - 1.0) ** 2), aux
+
+    ref = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
+    with jax.set_mesh(mesh):
+        (value, aux), _ = jax.jit(sr.value_and_grad(
+            loss, mesh, "data", step=0, num_skip=0, has_aux=True,
+            microbatches=microbatches))(params, x)
+    np.testing.assert_allclose(value, ref[0][0], rtol=1e-5)
+    for k in ("rows", "half", "ones"):  # each micro-batch's count: global / k
+        np.testing.assert_array_equal(aux[k], np.full((microbatches,) * (microbatches > 1),
+                                                      ref[0][1][k] / microbatches))
+    np.testing.assert_allclose(aux["norm"], np.full(np.shape(aux["norm"]), ref[0][1]["norm"]),
+                               rtol=1e-6)
+    assert jnp.asarray(aux["rows"]).dtype == jnp.int32
+
+
 def test_a_loss_divided_by_the_global_batch_size_warns_with_the_fix():
     """Before: silently 1/N of jax.value_and_grad's value and grads."""
     mesh = _auto_mesh()
