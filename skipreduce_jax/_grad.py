@@ -378,11 +378,12 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         rows = {r // microbatches for r in _local_rows(args, batch, ranks)}
         param_layouts = [(s, np.ndim(x)) for s, x in zip(
             specs, jax.tree_util.tree_leaves(params), strict=True)]
-        specs_at = {i: iter(specs) for i in params_at}
+        leaf_specs = iter(specs)  # the params' leaves in argnums' order
+        specs_at = {i: [next(leaf_specs) for _ in jax.tree_util.tree_leaves(args[i])]
+                    for i in params_at}
 
         def arg_specs(i, a):
-            return [next(specs_at[i], None) if i in specs_at else None
-                    for _ in jax.tree_util.tree_leaves(a)]
+            return specs_at.get(i) or [None] * len(jax.tree_util.tree_leaves(a))
 
         consts = traced.consts
         outs, grads = run_per_rank(
