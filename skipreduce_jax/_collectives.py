@@ -32,7 +32,13 @@ from skipreduce_jax._buckets import (
     plan_blocks,
     plan_buckets,
 )
-from skipreduce_jax._config import RingSettings, SkipConfig, config_or_keywords, ring_settings
+from skipreduce_jax._config import (
+    RingSettings,
+    SkipConfig,
+    config_or_keywords,
+    ring_settings,
+    skip_config,
+)
 from skipreduce_jax._schedule import (
     ScatterSchedule,
     SkipSchedule,
@@ -470,9 +476,10 @@ def ring_psum(
       28.0
     """
     _check_not_bool(x, "ring_psum", ", or reduce it with lax.pmax")
-    ring = ring_settings(axis_name, None, None, dict(
-        num_skip=0, randomize=False, chunks_per_rank=1, bucket_bytes=bucket_bytes,
-        comm_dtype=comm_dtype), api="ring_psum")
+    config = skip_config(None, dict(num_skip=0, randomize=False, chunks_per_rank=1,
+                                    bucket_bytes=bucket_bytes, comm_dtype=comm_dtype),
+                         api="ring_psum")
+    ring = ring_settings(axis_name, None, config, api="ring_psum")
     return _reduce(x, ring, key=None, phase=0, scale=None, gather=gather, specs=specs)
 
 
@@ -581,7 +588,7 @@ def skip_psum(
     _check_floating(jax.tree_util.tree_leaves(x), api)
     checks.check_bool(rescale, "rescale", api=api,
                       meaning="True: multiply the sum by N / (N - k)")
-    ring = ring_settings(axis_name, inner_axis, config, locals(), api=api)
+    ring = ring_settings(axis_name, inner_axis, config, api=api)
     scale = ring.n / (ring.n - ring.num_skip) if rescale else None
     return _reduce(x, ring, key=key, phase=phase, scale=scale, gather=gather,
                    specs=specs)
@@ -620,7 +627,7 @@ def skip_pmean(
     Returns:
       The partial mean, identical on every rank.
     """
-    ring = ring_settings(axis_name, inner_axis, config, locals(), api="skip_pmean")
+    ring = ring_settings(axis_name, inner_axis, config, api="skip_pmean")
     return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
                   specs=specs)
 
@@ -667,8 +674,7 @@ def skip_pmean_and_left_out(
       >>> float(mean[0, 0]), float(left_out.sum())  # 1 of 8 ranks left out
       (1.0, 64.0)
     """
-    ring = ring_settings(axis_name, inner_axis, config, locals(),
-                         api="skip_pmean_and_left_out")
+    ring = ring_settings(axis_name, inner_axis, config, api="skip_pmean_and_left_out")
     return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
                   specs=specs, with_left_out=True)
 
@@ -695,7 +701,7 @@ def pmean_for_update(x: PyTree, axis_name: str, *, config: SkipConfig, key: Any,
     values, same bytes.
     """
     api = "skip_pmean_and_left_out" if with_left_out else "skip_pmean"
-    ring = ring_settings(axis_name, inner_axis, config, {}, api=api)
+    ring = ring_settings(axis_name, inner_axis, config, api=api)
     return _pmean(x, ring, key=key, phase=phase, normalize=normalize, specs=specs,
                   with_left_out=with_left_out, in_place=False)
 
@@ -730,8 +736,7 @@ def contribution_mask(
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is part of the sum.
     """
-    ring = ring_settings(axis_name, inner_axis, config, locals(),
-                         api="contribution_mask")
+    ring = ring_settings(axis_name, inner_axis, config, api="contribution_mask")
     return _mask(x, ring, key=key, phase=phase, specs=specs)
 
 
@@ -887,7 +892,7 @@ def skip_psum_scatter(
     api = "skip_psum_scatter"
     checks.check_bool(rescale, "rescale", api=api,
                       meaning="True: multiply the sum by N / (N - k)")
-    ring = ring_settings(axis_name, inner_axis, config, locals(), api=api)
+    ring = ring_settings(axis_name, inner_axis, config, api=api)
     scale = ring.n / (ring.n - ring.num_skip) if rescale else None
     return _scatter(x, ring, key=key, phase=phase, scale=scale)
 
@@ -917,8 +922,7 @@ def scatter_contribution_mask(
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is summed into its owner's block (padding rows excluded).
     """
-    ring = ring_settings(axis_name, inner_axis, config, locals(),
-                         api="scatter_contribution_mask")
+    ring = ring_settings(axis_name, inner_axis, config, api="scatter_contribution_mask")
     return scatter_mask(x, ring, key=key, phase=phase)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import types
 from typing import Any
 
 import numpy as np
@@ -83,6 +85,7 @@ def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
         if unknown:
             raise TypeError(f"{api}: unknown options {unknown}; SkipReduce's options "
                             f"are {list(SKIP_OPTIONS)}.")
+        _checked(types.SimpleNamespace(**{**_DEFAULTS, **options}), api)  # named errors
         return SkipConfig(**options)
     if not isinstance(config, SkipConfig):
         raise TypeError(f"{api}: config must be a skipreduce_jax.SkipConfig, got "
@@ -96,20 +99,27 @@ def skip_config(config: SkipConfig | None, options: dict[str, Any], *,
 
 
 def config_or_keywords(fun):
-    """Makes ``fun`` refuse ``config=`` beside an option keyword, even one at its default."""
+    """Gives ``fun`` one checked ``config=``, the one passed or its keywords'.
+
+    Both together are refused, even a keyword at its default. The keywords
+    are ``fun``'s documented form; its body reads only ``config``.
+    """
+    api = fun.__name__
+    names = set(SKIP_OPTIONS) & set(inspect.signature(fun).parameters)
+
     @functools.wraps(fun)
-    def call(*args, **kwargs):
-        given = sorted(set(SKIP_OPTIONS) & kwargs.keys())
-        if kwargs.get("config") is not None and given:
-            skip_config(kwargs["config"], dict.fromkeys(given), api=fun.__name__)
-        return fun(*args, **kwargs)
+    def call(*args, config=None, **kwargs):
+        given = {name: kwargs.pop(name) for name in sorted(names & kwargs.keys())}
+        if config is None and "skip_ratio" not in names:  # a collective's k
+            if given.get("num_skip") is None:
+                raise TypeError(
+                    f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or "
+                    "config= (a skipreduce_jax.SkipConfig); got neither.")
+            axis = args[1] if len(args) > 1 else kwargs.get("axis_name")
+            n, _ = checks.axes_pair(axis, kwargs.get("inner_axis"), api=api)
+            checks.check_num_skip(given["num_skip"], n, api=api)
+        return fun(*args, config=skip_config(config, given, api=api), **kwargs)
     return call
-
-
-def is_default(name: str, value: Any) -> bool:
-    """Is ``value`` the default of :class:`SkipConfig`'s field ``name``?"""
-    default = _DEFAULTS[name]
-    return value is default or (type(value) is type(default) and value == default)
 
 
 def check_ring(values: dict[str, Any], *, api: str) -> dict[str, Any]:
@@ -129,15 +139,15 @@ def check_ring(values: dict[str, Any], *, api: str) -> dict[str, Any]:
         layout=checks.check_choice(values["layout"], "layout", LAYOUTS, api=api))
 
 
-def _checked(config: SkipConfig) -> dict[str, Any]:
+def _checked(config: Any, api: str = _API) -> dict[str, Any]:
     """``config``'s settings, each checked (and made a plain Python value)."""
     num_skip, skip_ratio = config.num_skip, config.skip_ratio
     if (num_skip is None) == (skip_ratio is None):
         raise ValueError(
-            f"{_API}: give exactly one of num_skip (an int k) and skip_ratio "
+            f"{api}: give exactly one of num_skip (an int k) and skip_ratio "
             f"(a fraction in [0, 1]); got num_skip={num_skip!r}, "
             f"skip_ratio={skip_ratio!r}.")
-    num_skip = checks.check_int(num_skip, "num_skip", api=_API, minimum=0,
+    num_skip = checks.check_int(num_skip, "num_skip", api=api, minimum=0,
                                 allow_none=True, type_error=ValueError,
                                 allowed="an int >= 0 (or None)",
                                 what="(at most N - 1, checked at trace time)")
@@ -145,32 +155,32 @@ def _checked(config: SkipConfig) -> dict[str, Any]:
         try:
             skip_ratio = checks.check_real(skip_ratio, "skip_ratio", maximum=1.0)
         except (TypeError, ValueError):
-            raise ValueError(f"{_API}: skip_ratio={skip_ratio!r} must be a number "
+            raise ValueError(f"{api}: skip_ratio={skip_ratio!r} must be a number "
                              "in [0, 1].") from None
     # jax.random.key keeps 32 bits without jax_enable_x64: 2**32 + 5 would
     # silently be the key of 5.
-    seed = checks.check_int(config.seed, "seed", api=_API, minimum=0,
+    seed = checks.check_int(config.seed, "seed", api=api, minimum=0,
                             maximum=2**32 - 1, type_error=ValueError,
                             allowed="in [0, 2**32) (an int)")
-    min_size = checks.check_int(config.min_size, "min_size", api=_API, minimum=0,
+    min_size = checks.check_int(config.min_size, "min_size", api=api, minimum=0,
                                 type_error=ValueError)
-    warmup_steps = checks.check_int(config.warmup_steps, "warmup_steps", api=_API,
+    warmup_steps = checks.check_int(config.warmup_steps, "warmup_steps", api=api,
                                     minimum=0, type_error=ValueError)
-    check_selective(config.selective, api=_API)
-    flags = {name: checks.check_bool(getattr(config, name), name, api=_API) for name in (
+    check_selective(config.selective, api=api)
+    flags = {name: checks.check_bool(getattr(config, name), name, api=api) for name in (
         "balanced", "error_feedback", "check_finite", "verify_sync", "params_sharded")}
     exact_radial = config.exact_radial
     if exact_radial is not None:
-        exact_radial = checks.check_bool(exact_radial, "exact_radial", api=_API)
+        exact_radial = checks.check_bool(exact_radial, "exact_radial", api=api)
     if exact_radial and (flags["error_feedback"] or flags["params_sharded"]):
         raise ValueError(
-            f"{_API}: exact_radial=True works with replicated params and no "
+            f"{api}: exact_radial=True works with replicated params and no "
             "error feedback; pass error_feedback=False and params_sharded=False "
             "(error feedback alone also removes the BatchNorm drift).")
     return dict(
         num_skip=num_skip, skip_ratio=skip_ratio, seed=seed, selective=config.selective,
         min_size=min_size, warmup_steps=warmup_steps, exact_radial=exact_radial,
-        **check_ring(vars(config), api=_API), **flags)
+        **check_ring(vars(config), api=api), **flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,25 +211,13 @@ class RingSettings:
         return (self.axis_name,) + ((self.inner_axis,) if self.inner_axis else ())
 
 
-def ring_settings(axis_name: Any, inner_axis: Any, config: SkipConfig | None,
-                  keywords: dict[str, Any], *, api: str) -> RingSettings:
-    """The :class:`RingSettings` of one call of ``api`` (its axes bound).
-
-    ``keywords``: the call's ring-setting keywords (other names are ignored),
-    unused with a ``config`` (the public functions refuse both:
-    :func:`config_or_keywords`). Without one, ``num_skip`` must be given.
-    """
-    values = {**_DEFAULTS, **{k: v for k, v in keywords.items() if k in RING_OPTIONS}}
-    if config is not None:
-        values = vars(skip_config(config, {}, api=api))
-    elif values["num_skip"] is None:
-        raise TypeError(
-            f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or config= "
-            "(a skipreduce_jax.SkipConfig); got neither.")
+def ring_settings(axis_name: Any, inner_axis: Any, config: SkipConfig, *,
+                  api: str) -> RingSettings:
+    """The :class:`RingSettings` of one call of ``api``: ``config``'s, axes bound."""
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
-    num_skip = resolve_num_skip(values["num_skip"], values["skip_ratio"], n, api=api)
+    num_skip = resolve_num_skip(config.num_skip, config.skip_ratio, n, api=api)
     return RingSettings(api, axis_name, inner_axis, n, inner, num_skip,
-                        **check_ring(values, api=api))
+                        **{name: getattr(config, name) for name in RING_OPTIONS[2:]})
 
 
 def resolve_num_skip(num_skip: Any, skip_ratio: float | None, n: int, *, api: str) -> int:

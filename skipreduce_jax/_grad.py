@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._closure import with_args
+from skipreduce_jax._config import skip_config
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import (
     AxisNames,
@@ -43,7 +44,6 @@ from skipreduce_jax._transform import (
     NothingSkippedWarning,
     SkipConfig,
     _Config,
-    skip_config,
     skip_reduce,
 )
 from skipreduce_jax._transform import _update as skip_update

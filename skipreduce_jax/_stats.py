@@ -17,8 +17,9 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._buckets import plan_buckets
 from skipreduce_jax._collectives import summed_dtype, wire_dtypes
+from skipreduce_jax._config import SkipConfig, skip_config
 from skipreduce_jax._selection import needs_params
-from skipreduce_jax._transform import SkipConfig, _Config, skip_config
+from skipreduce_jax._transform import _Config
 from skipreduce_jax._types import PyTree
 
 

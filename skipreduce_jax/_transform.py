@@ -38,10 +38,8 @@ from skipreduce_jax._config import (
     SKIP_OPTIONS,
     SkipConfig,
     config_or_keywords,
-    is_default,
     resolve_num_skip,
     ring_settings,
-    skip_config,
 )
 from skipreduce_jax._guards import host_check, leaf_agreement, raise_in_callback
 from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
@@ -246,9 +244,7 @@ def skip_reduce(
       Kasan, Abts, Choi, Kim. SkipReduce: (Interconnection) Network
       Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
     """
-    options = {name: value for name, value in locals().items()
-               if name in SKIP_OPTIONS and not is_default(name, value)}
-    config = _Config.of(skip_config(config, options, api=_API), axis_name, inner_axis)
+    config = _Config.of(config, axis_name, inner_axis)
     warned = []  # the BatchNorm warning, once per transformation
 
     def init_fn(params):
@@ -422,7 +418,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState, params: Any,
         rs_key, rs_phase = balanced_draw(
             base, skip_step, scatter_period(n, num_skip) if config.balanced else 1)
         rs_key = jax.random.fold_in(rs_key, 1 << 30)
-        ring = ring_settings(config.axis_name, config.inner_axis, config, {}, api=_API)
+        ring = ring_settings(config.axis_name, config.inner_axis, config, api=_API)
         own, divisor = _owner_weight(n, num_skip, config)
         rs_out = coll._scatter(rs, ring, key=rs_key, phase=rs_phase,
                                scale=1.0 / (divisor * inner), own_weight=own)
