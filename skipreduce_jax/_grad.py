@@ -323,12 +323,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         return run(traced, step, args, batch, params, specs, fixed)
 
     def _trace(fun, args, batch, typed=False, parts=None):
-        parts = ranks * microbatches if parts is None else parts
-        return trace(fun, [_shapes(a, parts if i in batch else 1)
-                           for i, a in enumerate(args)],
-                     [i in batch for i in range(len(args))], mesh, axes,
+        return trace(fun, args, [i in batch for i in range(len(args))], mesh, axes,
                      [_type_spec(x) for x in jax.tree_util.tree_leaves(args)]
-                     if typed else None)
+                     if typed else None, ranks * microbatches if parts is None else parts)
 
     any_explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
 
@@ -564,17 +561,6 @@ def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
 def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
     """The params, as ``jax.value_and_grad`` returns their grads (``single``: one)."""
     return args[params_at[0]] if single else tuple(args[i] for i in params_at)
-
-
-def _shapes(arg: Any, parts: int) -> Any:
-    """``arg``'s leaves as shape-dtype structs, leading dimension / ``parts``."""
-    def one(x):
-        shape = np.shape(x)
-        if parts > 1:
-            shape = (shape[0] // parts,) + shape[1:]
-        return jax.ShapeDtypeStruct(shape, jax.typeof(x).dtype,
-                                    weak_type=jax.typeof(x).weak_type)
-    return jax.tree_util.tree_map(one, arg)
 
 
 def _closing_over(fun: Callable[..., Any], arrays: list[Any]) -> Callable[..., Any]:

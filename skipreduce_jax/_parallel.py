@@ -111,10 +111,6 @@ def per_rank_flags(tree: Any) -> list[bool]:
     return [bool(name) for name in jax.tree_util.tree_leaves(per_rank_names(tree))]
 
 
-def _spec_axes(spec: P) -> set[str]:
-    return {a for entry in spec if entry is not None for a in as_tuple(entry)}
-
-
 def copy_to(x: Any, sharding: NamedSharding) -> jax.Array:
     """A copy of ``x`` placed with ``sharding`` that never aliases ``x``."""
     if jax.process_count() == 1:
@@ -141,7 +137,8 @@ def _place_replicated(x: Any, mesh: jax.sharding.Mesh,
                       axes: tuple[str, ...]) -> Any:
     """``x`` copied to every device, unless on ``mesh`` and split over no axis of ``axes``."""
     spec = _spec_of(x, mesh)
-    if isinstance(x, jax.Array) and spec is not None and not _spec_axes(spec) & set(axes):
+    if isinstance(x, jax.Array) and spec is not None and not set(
+            _shards.spec_axes(spec)) & set(axes):
         return x
     sharding = replicated_sharding(x, mesh)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
@@ -175,7 +172,7 @@ def _split_over(x: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
     spec = _spec_of(x, mesh)
     if not _leads_with(spec, axes):
         return False
-    rest = _spec_axes(P(*spec[1:]))
+    rest = set(_shards.spec_axes(P(*spec[1:])))
     return not set(axes) & (set(as_tuple(spec[0])[len(axes):]) | rest)
 
 
@@ -183,7 +180,7 @@ def _check_not_split(path: Any, x: Any, argnum: int, mesh: jax.sharding.Mesh,
                      axes: tuple[str, ...], *, api: str) -> None:
     """Refuses an argument split over the data axes other than by rows."""
     spec = _spec_of(x, mesh)
-    split = sorted(_spec_axes(spec) & set(axes)) if spec is not None else []
+    split = sorted(set(_shards.spec_axes(spec)) & set(axes))
     if split:
         first = axes[0] if len(axes) == 1 else axes
         raise ValueError(
@@ -402,7 +399,7 @@ class DataParallelStep:
                 placed[i] = jax.tree_util.tree_unflatten(treedef, new)
         # Spelled as the step's outputs come back: without trailing Nones when
         # leaves are laid out over the compiler's axes, else one entry per dim.
-        stripped = any(_spec_axes(s) - set(axes) for i, a in enumerate(placed)
+        stripped = any(set(_shards.spec_axes(s)) - set(axes) for i, a in enumerate(placed)
                        if i not in self._static and i not in self._batch
                        for s in map(lambda x: _spec_of(x, mesh) or P(),
                                     jax.tree_util.tree_leaves(a)))
@@ -423,7 +420,7 @@ class DataParallelStep:
         if self._manual_rule == "unsharded":
             used = {a for i, specs in zip(dynamic, arg_specs, strict=True)
                     if i not in self._batch for s in specs if s is not None
-                    for a in _spec_axes(s)}
+                    for a in _shards.spec_axes(s)}
             manual = {a for a in self._mesh.axis_names
                       if a in self._axes or a not in used}
         full = list(args)

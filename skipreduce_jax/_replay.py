@@ -88,12 +88,14 @@ class Traced(NamedTuple):
 
 
 def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
-          mesh: Any, axes: tuple[str, ...], specs: Sequence[Any] | None = None) -> Traced:
+          mesh: Any, axes: tuple[str, ...], specs: Sequence[Any] | None = None,
+          parts: int = 1) -> Traced:
     """``fun`` traced under ``mesh`` on the shapes of one rank's ``args``.
 
     Args:
       fun: the user's function (a loss), written for a plain ``jax.jit``.
-      args: one rank's arguments (arrays or shape-dtype structs).
+      args: the arguments (arrays or shape-dtype structs; other leaves are
+        traced as constants).
       varying: per positional argument, whether it differs per rank (the
         batch): which outputs depend on it is worked out from the jaxpr.
       mesh: the step's mesh.
@@ -104,6 +106,7 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
         rank's jit sees it: under ``mesh`` with the data axes of size 1 (the
         ranks moved to an axis of their own, as a mesh keeps its size inside
         ``jax.jit``), its arguments typed with those layouts.
+      parts: what the varying leaves' leading dimensions are divided by.
 
     It is traced with no mesh set, as a plain ``jax.jit`` step without
     ``jax.set_mesh`` has it. A loss that itself reduces over the data axes
@@ -130,7 +133,7 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
         + (math.prod(abstract.shape[a] for a in axes),),
         (*abstract.axis_names, _RANKS), axis_types=(*abstract.axis_types, AxisType.Explicit))
     shapes = [jax.ShapeDtypeStruct(
-        np.shape(leaves[i]), leaves[i].dtype,
+        _part(np.shape(leaves[i]), parts if per_leaf[i] else 1), leaves[i].dtype,
         weak_type=getattr(leaves[i], "weak_type", False),
         sharding=None if one_rank is None else NamedSharding(one_rank, specs[i] or P()))
         for i in at]
@@ -158,6 +161,10 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
     return Traced(closed.jaxpr, list(closed.consts), at,
                   jax.tree_util.tree_structure(out), _flags(closed.jaxpr, in_varying),
                   _sums(closed.jaxpr, in_varying, rows), in_varying)
+
+
+def _part(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    return (shape[0] // parts,) + shape[1:] if parts > 1 else shape
 
 
 def unfed(traced: Traced) -> list[int]:

@@ -131,13 +131,9 @@ def _replayed(fun: Callable[..., Any], args: Sequence[Any],
               axes: tuple[str, ...]) -> Callable[..., Any]:
     """``fun`` traced as plain jit code on this rank's ``args`` and replayed."""
     mesh = jax.sharding.get_abstract_mesh()
-    traced = trace(fun, [jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype,
-                                       weak_type=jax.typeof(x).weak_type)
-        if isinstance(x, (jax.Array, jax.core.Tracer)) else x, a)
-        for a in args],
-        [any(set(axes) & varying_axes(x) for x in jax.tree_util.tree_leaves(a))
-         for a in args], mesh, axes)
+    traced = trace(fun, args, [any(set(axes) & varying_axes(x)
+                                   for x in jax.tree_util.tree_leaves(a)) for a in args],
+                   mesh, axes)
     replayed = replay(traced, markers(axes))
     return lambda *a: replayed(*a, traced.consts)
 
