@@ -535,35 +535,17 @@ def skip_psum(
         ``randomize=True``.
       inner_axis: hierarchical mode: a second (fast) axis summed in full;
         only ``axis_name`` is skipped.
-      chunks_per_rank: sub-chunks per ring slot, each randomized on its own;
-        None picks about one per 256 elements of a slot, at most 64, lowered
-        by up to half where that avoids padding.
-      bucket_bytes: the byte cap of one packed buffer (one ring each); a
-        leaf of at least a quarter of it gets a buffer of its own.
-      accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16/float16 values in
-        float32 (the reduce-scatter then sends float32). Each leaf is added
-        in the promotion of its dtype and this one, never in a narrower one.
+      chunks_per_rank: sub-chunks per ring slot, each randomized on its own.
+      bucket_bytes: the byte cap of one packed buffer, one ring each.
+      accumulate_dtype: the dtype the sums are added in (never narrower
+        than a leaf's).
+      comm_dtype: the dtype on the wire over ``axis_name`` (an
+        ``inner_axis`` is summed in ``accumulate_dtype``).
+      layout: ``"flat"`` or ``"units"``, how the leaves are packed. These
+        five are detailed with :ref:`skip_reduce's options
+        <skip-reduce-option-details>`.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
       specs: as in :func:`ring_psum`.
-      comm_dtype: None (send what is summed), or a floating dtype no wider
-        than the leaves, e.g. ``jnp.bfloat16``, that crosses the network:
-        each reduce-scatter step receives it, adds this rank's piece in
-        ``accumulate_dtype`` (float32 when that is None) and rounds once to
-        send; the all-gather sends the reduced sums rounded to it, so every
-        rank gets the same values, cast back to the leaves' dtype. On CPU
-        16-bit values cross packed in uint32 words (XLA:CPU would widen a
-        16-bit float collective to float32); GPU and TPU send them as they
-        are. Only ``axis_name`` is narrowed; an ``inner_axis`` is summed in
-        ``accumulate_dtype``. A float16 sum that overflows makes every
-        element NaN on every rank (:doc:`/guarantees`, "16-bit wire
-        overflow"); ``jnp.bfloat16`` has float32's range.
-      layout: ``"flat"`` packs each leaf in its own order; ``"units"``
-        packs a leaf of two or more dimensions with its last axis (a
-        kernel's output units) first, so the values that feed one output
-        unit share a slot or sub-chunk, and so one draw: with
-        ``chunks_per_rank=1`` whole runs of units drop the same ranks. The
-        buffers, ring and bytes are the same; each such leaf is copied
-        transposed into and out of its buffer.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and

@@ -258,7 +258,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             check_batch(args[i], ranks, axes, api=_API, name=describe(i),
                         or_else="pass it in neither argnums nor batch_argnums "
                                 "(replicated)", traced=True)
-        params = _params_of(args, params_at, single)
+        # As jax.value_and_grad returns their grads.
+        params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
         if ranks == 1:
             # One rank: the gradient is already the global one (and XLA's
             # partitioner refuses an all-reduce over a size-1 manual axis).
@@ -372,7 +373,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         # An aux leaf that is a sum over the batch (a count, a summed loss)
         # is summed over the ranks; the value and other leaves averaged.
         sums = [i > 0 and traced.out_sums[i] for i in mean_at]
-        rows = {r // microbatches for r in _local_rows(args, batch, ranks)}
+        rows = {leaf.shape[0] // (ranks * microbatches) for i in batch  # one rank's
+                for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
         param_layouts = [(s, np.ndim(x)) for s, x in zip(
             specs, jax.tree_util.tree_leaves(params), strict=True)]
         leaf_specs = iter(specs)  # the params' leaves in argnums' order
@@ -558,11 +560,6 @@ def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
             why=_OUT_OF_REACH))
 
 
-def _params_of(args: Sequence[Any], params_at: Sequence[int], single: bool) -> Any:
-    """The params, as ``jax.value_and_grad`` returns their grads (``single``: one)."""
-    return args[params_at[0]] if single else tuple(args[i] for i in params_at)
-
-
 def _closing_over(fun: Callable[..., Any], arrays: list[Any]) -> Callable[..., Any]:
     """``fun`` taking the ``arrays`` it closes over as two last arguments."""
     g = with_args(fun, arrays)
@@ -598,12 +595,6 @@ def _under(path: Any, prefix: tuple[int, ...]) -> bool:
 
 def _where(path: Any) -> str:
     return jax.tree_util.keystr(path) or "the root"
-
-
-def _local_rows(args: Sequence[Any], batch: Sequence[int], ranks: int) -> set[int]:
-    """The leading dimensions of one rank's batch leaves."""
-    return {leaf.shape[0] // ranks for i in batch
-            for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
 
 
 def _mean_over_ranks(leaf: Any, path: Any, axes: tuple[str, ...],
