@@ -216,7 +216,7 @@ def ring_settings(axis_name: Any, inner_axis: Any, config: SkipConfig, *,
     """The :class:`RingSettings` of one call of ``api``: ``config``'s, axes bound."""
     n, inner = checks.axes_pair(axis_name, inner_axis, api=api)
     num_skip = resolve_num_skip(config.num_skip, config.skip_ratio, n, api=api)
-    return RingSettings(api, axis_name, inner_axis, n, inner, num_skip,
+    return RingSettings(api, axis_name, inner_axis, n, inner, num_skip,  # k resolved
                         **{name: getattr(config, name) for name in RING_OPTIONS[2:]})
 
 

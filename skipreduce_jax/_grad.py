@@ -252,6 +252,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                 raise ValueError(
                     f"{_API}: argnum {i} (in argnums or batch_argnums) is out "
                     f"of range for a call with {len(args)} arguments.")
+        # Params as arrays: a Python number among them is differentiated, not a constant.
+        args = tuple(jax.tree_util.tree_map(jnp.asarray, a) if i in params_at else a
+                     for i, a in enumerate(args))
         batch = (tuple(i for i in range(len(args)) if i not in params_at)
                  if given_batch is None else given_batch)
         for i in batch:

@@ -608,3 +608,38 @@ def _loss_on_auto(fun):
     def loss(p, b):
         return jax.sharding.auto_axes(fun, out_sharding=P())(p, b)
     return loss
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_python_number_param_is_differentiated(explicit):
+    # Inside the caller's jit a param may be a Python number; its gradient is
+    # jax.value_and_grad's, not zero (it is not traced as a constant).
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    loss = lambda w, x: jnp.mean((x * w - 1.0) ** 2)  # noqa: E731
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+    grad_fn = sr.value_and_grad(loss, mesh, "data", step=0, num_skip=0, min_size=0)
+    with jax.set_mesh(mesh):
+        value, grad = jax.jit(lambda x: grad_fn(2.0, x))(x)
+    want_value, want_grad = jax.value_and_grad(loss)(2.0, jnp.arange(16.0))
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
+
+
+def test_a_python_value_argument_stays_a_python_value():
+    # As under jax.value_and_grad in a jit: a Python flag that is neither
+    # params nor batch steers Python control flow (it is not traced).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+    def loss(w, x, square):
+        d = x * w - 1.0
+        return jnp.mean(d ** 2 if square else jnp.abs(d))
+
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+    grad_fn = sr.value_and_grad(loss, mesh, "data", step=0, num_skip=0, min_size=0,
+                                batch_argnums=1)
+    for square in (True, False):
+        with jax.set_mesh(mesh):
+            got = jax.jit(lambda w, x, s=square: grad_fn(w, x, s))(jnp.float32(2.0), x)
+        want = jax.value_and_grad(loss)(jnp.float32(2.0), jnp.arange(16.0), square)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
