@@ -148,6 +148,9 @@ _FROZEN = re.compile(r"all-reduce-fv([1-9][0-9]*)$")
 # random+efB: partial error feedback, a fraction B in (0, 1) of what was left
 # out delivered at the next step (partial_feedback).
 _PARTIAL_EF = re.compile(r"random\+ef(0\.[0-9]*[1-9])$")
+# random+efgT: error feedback while the steps overshoot rarely (gated_feedback,
+# the share of overshooting steps below T; T = 0.6 without a number).
+_GATED_EF = re.compile(r"random\+efg(0\.[0-9]*[1-9])?$")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 NUM_CLASSES_MLP = 16
 # Workloads whose target is not read at ``--target-fraction``: the all-reduce's
@@ -172,6 +175,10 @@ def label(variant: str) -> str:
     match = _PARTIAL_EF.match(variant)
     if match:
         return f"Random + error feedback of {match.group(1)} of what was left out"
+    match = _GATED_EF.match(variant)
+    if match:
+        return ("Random + error feedback while under "
+                f"{match.group(1) or '0.6'} of the steps overshoot")
     match = _WARMUP.match(variant)
     if match:
         frozen = ", then AdamW's variance frozen" if match.group(2) else ""
@@ -182,11 +189,11 @@ def label(variant: str) -> str:
 def check_variant(variant: str) -> str:
     """``variant`` if it is known, else a ValueError naming the choices."""
     if variant not in VARIANTS and not any(
-            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN, _PARTIAL_EF)):
+            p.match(variant) for p in (_GRAIN, _WARMUP, _FROZEN, _PARTIAL_EF, _GATED_EF)):
         raise ValueError(f"unknown variant {variant!r}; choose from "
                          f"{', '.join(VARIANTS)}, random[-units][-cK][-iid], "
-                         "random-wW[-fv], all-reduce-fvW (K, W >= 1) or random+efB "
-                         "(0 < B < 1).")
+                         "random-wW[-fv], all-reduce-fvW (K, W >= 1), random+efB "
+                         "(0 < B < 1) or random+efg[T] (0 < T < 1).")
     return variant
 
 
@@ -554,7 +561,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
-    elif variant == "random+ef" or _PARTIAL_EF.match(variant):
+    elif (variant == "random+ef" or _PARTIAL_EF.match(variant)
+          or _GATED_EF.match(variant)):
         kwargs["error_feedback"] = True
     elif variant in ("random-radial", "random-noradial"):
         kwargs["exact_radial"] = variant == "random-radial"
@@ -588,6 +596,51 @@ def partial_feedback(reducer: optax.GradientTransformation, fraction: float,
                     lambda r: r * fraction, state.residual)))
 
     return optax.GradientTransformation(reducer.init, update_fn)
+
+
+class GatedState(NamedTuple):
+    """:func:`gated_feedback`'s state: the reducer's, the last params, the share."""
+
+    inner: Any
+    previous: Any
+    overshooting: jax.Array
+
+
+def gated_feedback(reducer: optax.GradientTransformation, threshold: float,
+                   ranks: int, num_skip: int, memory: float = 0.05
+                   ) -> optax.GradientTransformation:
+    """``reducer`` (error feedback on) with feedback only while steps rarely overshoot.
+
+    A step overshoots when the new reduced gradient points along the last
+    step, ``<g_t, p_t - p_(t-1)> > 0`` (the gradient-restart test of
+    O'Donoghue and Candes, 2015): the last step went past the minimum along
+    its own direction, as at the edge of stability, where a delayed share of
+    the gradient destabilizes. ``overshooting``: an exponential mean of that
+    test (weight ``memory`` per step), starting at 1. While it is below
+    ``threshold``, error feedback (B = 1 of :func:`partial_feedback`); else
+    Random (B = 0: residual dropped, the sum divided by N - k). Composed
+    around the library's transformation, not part of the library.
+    """
+    def init_fn(params):
+        return GatedState(reducer.init(params), params, jnp.ones((), jnp.float32))
+
+    def update_fn(updates, state, params=None):
+        on = (state.overshooting < threshold).astype(jnp.float32)
+        updates, inner = reducer.update(updates, state.inner, params)
+        scale = ranks / (ranks - (1 - on) * num_skip)
+        updates = jax.tree_util.tree_map(lambda u: u * scale, updates)
+        inner = inner._replace(residual=jax.tree_util.tree_map(
+            lambda r: r * on, inner.residual))
+        moved = jax.tree_util.tree_map(lambda p, q: p - q, params, state.previous)
+        dot = sum(jnp.vdot(u, d) for u, d in zip(jax.tree_util.tree_leaves(updates),
+                                                 jax.tree_util.tree_leaves(moved),
+                                                 strict=True))
+        started = state.inner.count > 0
+        share = jnp.where(started, (1 - memory) * state.overshooting + memory * (dot > 0),
+                          state.overshooting)
+        return updates, GatedState(inner, params, share)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def freeze_steps(variant: str) -> int | None:
@@ -754,10 +807,13 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
     lr = work.lr[optimizer] if lr is None else lr
     freeze_after = freeze_steps(variant)
     reducer = bfloat16_pmean() if variant == "psum-bf16" else sr.skip_reduce(AXIS, **kwargs)
-    partial = _PARTIAL_EF.match(variant)
+    partial, gated = _PARTIAL_EF.match(variant), _GATED_EF.match(variant)
     if partial:
         reducer = partial_feedback(reducer, float(partial.group(1)), ranks,
                                    skip_ratio_to_num_skip(skip_ratio, ranks))
+    if gated:
+        reducer = gated_feedback(reducer, float(gated.group(1) or 0.6), ranks,
+                                 skip_ratio_to_num_skip(skip_ratio, ranks))
     tx = make_optimizer(optimizer, lr, reducer, freeze_after, momentum)
     train, batch = work.train, work.batch_per_rank
     if variant == "bound":

@@ -344,3 +344,37 @@ def test_partial_error_feedback_keeps_a_fraction_of_the_residual():
     np.testing.assert_allclose(state.residual["w"], 0.25 * full_state.residual["w"],
                                rtol=1e-6)
     assert np.abs(np.asarray(full_state.residual["w"])).sum() > 0  # something left out
+
+
+def test_gated_error_feedback_is_random_or_error_feedback_by_its_share():
+    # random+efgT: error feedback while the share of overshooting steps is
+    # below T. The share starts at 1: the first step is Random (residual
+    # dropped, the sum over N - k); a threshold above 1 is error feedback.
+    assert cv.reduce_kwargs("random+efg", 0.5, 3)["error_feedback"] is True
+    assert cv.label("random+efg0.5").endswith("under 0.5 of the steps overshoot")
+    with pytest.raises(ValueError, match="unknown variant"):
+        cv.check_variant("random+efg1.5")
+    mesh = jax.make_mesh((8,), ("data",))
+    grads = jax.device_put({"w": np.random.default_rng(1).normal(size=(8, 24)).astype(
+        np.float32)}, NamedSharding(mesh, P("data")))
+    params = {"w": jnp.zeros(24)}
+
+    def first_step(tx):
+        opt_state = sr.init_opt_state(tx, params, mesh, "data")
+        specs = sr.state_specs(opt_state, "data")
+        return jax.jit(jax.shard_map(
+            lambda g, s: tx.update({"w": g["w"][0]}, s, params), mesh=mesh,
+            in_specs=(P("data"), specs), out_specs=(P(), specs)))(grads, opt_state)
+
+    def reducer(error_feedback):
+        return sr.skip_reduce("data", num_skip=4, min_size=0, seed=1,
+                              error_feedback=error_feedback)
+
+    random, _ = first_step(reducer(False))
+    gated, state = first_step(cv.gated_feedback(reducer(True), 0.6, 8, 4))
+    np.testing.assert_allclose(gated["w"], random["w"], rtol=1e-6)
+    assert not np.asarray(state.inner.residual["w"]).any()
+    full, full_state = first_step(reducer(True))
+    always, state = first_step(cv.gated_feedback(reducer(True), 1.01, 8, 4))
+    np.testing.assert_allclose(always["w"], full["w"], rtol=1e-6)
+    np.testing.assert_allclose(state.inner.residual["w"], full_state.residual["w"])
