@@ -469,8 +469,8 @@ def ring_psum(
 
     Example:
       >>> mesh = jax.make_mesh((8,), ("data",))
-      >>> f = jax.shard_map(lambda v: ring_psum(v, "data"), mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda v: ring_psum(v, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
       >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
       >>> float(f(x)[0])
       28.0
@@ -556,13 +556,14 @@ def skip_psum(
       ...   return skip_psum(g, "data", key=jax.random.key(0), num_skip=4)
       >>> grads = jax.device_put(jnp.ones((8, 64)),  # row r: rank r's
       ...                        NamedSharding(mesh, P("data")))
-      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-      ...                     out_specs=P())(grads)
+      >>> out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+      ...                             out_specs=P()))(grads)
       >>> out.shape, float(out[0, 0])  # every element sums N - k = 4 ranks
       ((1, 64), 4.0)
       >>> config = sr.SkipConfig(skip_ratio=0.5, chunks_per_rank=1)  # k = 4 of 8
       >>> f = lambda g: skip_psum(g, "data", key=jax.random.key(0), config=config)
-      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(grads)
+      >>> out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+      ...                             out_specs=P()))(grads)
       >>> float(out[0, 0])
       4.0
     """
@@ -651,8 +652,8 @@ def skip_pmean_and_left_out(
       ...         g, "data", key=jax.random.key(0), num_skip=1)
       ...     return mean, left_out  # add left_out to the next step's g
       >>> g = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("data")))
-      >>> mean, left_out = jax.shard_map(
-      ...     f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))(g)
+      >>> mean, left_out = jax.jit(jax.shard_map(
+      ...     f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(g)
       >>> float(mean[0, 0]), float(left_out.sum())  # 1 of 8 ranks left out
       (1.0, 64.0)
     """
@@ -867,7 +868,8 @@ def skip_psum_scatter(
       >>> def f(g):
       ...     return skip_psum_scatter(g, "data", key=jax.random.key(0), num_skip=0)
       >>> g = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P()))
-      >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("data"))(g)
+      >>> out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(),
+      ...                             out_specs=P("data")))(g)
       >>> out.shape, np.asarray(out)[0, 0].item()  # block r of the 8-rank sum
       ((8, 16), 8.0)
     """

@@ -147,8 +147,8 @@ def check_replicated(tree: PyTree, axis_name: str | tuple[str, ...]) -> jax.Arra
       A bool scalar, typed replicated.
 
     Example:
-      >>> f = jax.shard_map(lambda w: check_replicated(w, "data"), mesh=mesh,
-      ...                   in_specs=P(), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda w: check_replicated(w, "data"),
+      ...                           mesh=mesh, in_specs=P(), out_specs=P()))
       >>> bool(f(jnp.ones(4)))
       True
     """

@@ -235,8 +235,8 @@ def skip_reduce(
       ...     return optax.apply_updates(params, updates)
       >>> ones = jax.device_put(jnp.ones(8 * 64), NamedSharding(mesh, P("data")))
       >>> grads = {"w": ones}  # each rank's slice: its local gradient
-      >>> new = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
-      ...                     out_specs=P())(params, grads)
+      >>> new = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+      ...                             out_specs=P()))(params, grads)
       >>> round(float(new["w"][0]), 6)  # minus lr times the mean of ones
       -0.1
 
