@@ -122,7 +122,7 @@ WORKLOADS = ("mlp", "mlp-named", "mlp-noniid", "cnn-bn", "lm")
 OPTIMIZERS = ("sgd", "adamw")
 VARIANTS = ("all-reduce", "bound", "random", "random-iid", "random-c1", "random-c4", "static",
             "random+ef", "random-sel", "random-radial", "random-noradial",
-            "random-bf16", "psum-bf16")
+            "random-bf16", "psum-bf16", "random+efauto")
 DEFAULT_VARIANTS = VARIANTS[:VARIANTS.index("random-sel")]
 LABELS = {
     "all-reduce": "all-reduce",
@@ -131,6 +131,7 @@ LABELS = {
     "random-iid": "Random, balanced=False (the paper's)",
     "static": "static",
     "random+ef": "Random + error feedback",
+    "random+efauto": "Random, error_feedback=\"auto\"",
     "random-sel": "Random, selective",
     "random-radial": "Random, exact radial components",
     "random-noradial": "Random, exact_radial=False",
@@ -561,6 +562,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
+    elif variant == "random+efauto":
+        kwargs["error_feedback"] = "auto"
     elif (variant == "random+ef" or _PARTIAL_EF.match(variant)
           or _GATED_EF.match(variant)):
         kwargs["error_feedback"] = True
@@ -791,6 +794,14 @@ def evaluator(metrics: Callable, mesh: jax.sharding.Mesh) -> Callable:
         in_specs=(P(), P(), P(AXIS)), out_specs=P()))
 
 
+def feedback_gates(opt_state: Any) -> list[sr.FeedbackGateState]:
+    """The ``error_feedback="auto"`` states inside ``opt_state``."""
+    def gate(x):
+        return isinstance(x, sr.FeedbackGateState)
+
+    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=gate) if gate(x)]
+
+
 def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.sharding.Mesh,
               skip_ratio: float, seed: int, eval_every: int, lr: float | None = None,
               momentum: float = 0.9) -> dict[str, Any]:
@@ -840,6 +851,9 @@ def train_run(work: Workload, variant: str, optimizer: str, *, mesh: jax.shardin
         for name, value in (work.diagnostics(params, state, mesh)
                             if work.diagnostics else {}).items():
             history.setdefault(name, []).append(float(value))
+        for gate in feedback_gates(opt_state):  # what error_feedback="auto" reads
+            history.setdefault("gate_overshooting", []).append(float(gate.overshooting))
+            history.setdefault("gate_nonlinear", []).append(float(gate.nonlinear))
 
     record(0, math.nan)
     for lo in range(0, steps, eval_every):

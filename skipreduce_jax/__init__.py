@@ -23,6 +23,7 @@ from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_an
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
 from skipreduce_jax._count import mean_count as mean_count
+from skipreduce_jax._gate import FeedbackGateState as FeedbackGateState
 from skipreduce_jax._grad import GlobalDivisorWarning as GlobalDivisorWarning
 from skipreduce_jax._grad import value_and_grad as value_and_grad
 from skipreduce_jax._guards import assert_replicated as assert_replicated

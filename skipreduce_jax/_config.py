@@ -53,7 +53,7 @@ class SkipConfig:
     selective: Any = None
     min_size: int = 100_000
     warmup_steps: int = 0
-    error_feedback: bool = False
+    error_feedback: bool | str = False
     exact_radial: bool | None = None
     chunks_per_rank: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -168,7 +168,8 @@ def _checked(config: Any, api: str = _API) -> dict[str, Any]:
                                     minimum=0, type_error=ValueError)
     check_selective(config.selective, api=api)
     flags = {name: checks.check_bool(getattr(config, name), name, api=api) for name in (
-        "balanced", "error_feedback", "check_finite", "verify_sync", "params_sharded")}
+        "balanced", "check_finite", "verify_sync", "params_sharded")}
+    flags["error_feedback"] = _error_feedback(config, flags["params_sharded"], api)
     exact_radial = config.exact_radial
     if exact_radial is not None:
         exact_radial = checks.check_bool(exact_radial, "exact_radial", api=api)
@@ -181,6 +182,18 @@ def _checked(config: Any, api: str = _API) -> dict[str, Any]:
         num_skip=num_skip, skip_ratio=skip_ratio, seed=seed, selective=config.selective,
         min_size=min_size, warmup_steps=warmup_steps, exact_radial=exact_radial,
         **check_ring(vars(config), api=api), **flags)
+
+
+def _error_feedback(config: Any, params_sharded: bool, api: str) -> bool | str:
+    """``error_feedback``: a bool, or "auto" (with replicated params)."""
+    if isinstance(config.error_feedback, str) and config.error_feedback == "auto":
+        if params_sharded:
+            raise ValueError(
+                f"{api}: error_feedback='auto' keeps the last params, replicated; "
+                "with params_sharded=True pass error_feedback=True or False.")
+        return "auto"
+    return checks.check_bool(config.error_feedback, "error_feedback", api=api,
+                             meaning='or "auto": while its measured rule says so')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ _OUT_OF_REACH = (
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
 _STATEFUL = {
-    "error_feedback": "error_feedback=True keeps a residual per rank",
+    "error_feedback": "error_feedback (True or \"auto\") keeps a residual per rank",
     "params_sharded": "params_sharded=True takes params sharded over the data "
                       "axis (FSDP), whose blocks the step must gather",
     "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",

@@ -32,7 +32,7 @@ from jax import lax
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _collectives as coll
-from skipreduce_jax import _shards
+from skipreduce_jax import _gate, _shards
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
 from skipreduce_jax._config import (
     SKIP_OPTIONS,
@@ -128,10 +128,14 @@ class _Config(SkipConfig):
         return resolve_num_skip(self.num_skip, self.skip_ratio, n, api=_API)
 
     def radial(self, params: Any) -> bool:
-        """Whether ``exact_radial`` applies: as given, or (None) with BatchNorm."""
+        """Whether ``exact_radial`` applies: as given, or (None) with BatchNorm.
+
+        Error feedback turns it off; ``"auto"`` does not (with BatchNorm it
+        stays Random, radial components included).
+        """
         if self.exact_radial is not None:
             return self.exact_radial
-        return (params is not None and not self.error_feedback
+        return (params is not None and self.error_feedback in (False, "auto")
                 and not self.params_sharded and any(in_batchnorm(params)))
 
     def skippable(self, updates: Any, params: Any) -> list[bool]:
@@ -156,7 +160,7 @@ def skip_reduce(
     selective: PyTree | Callable[[PyTree], PyTree] | None = None,
     min_size: int = 100_000,
     warmup_steps: int = 0,
-    error_feedback: bool = False,
+    error_feedback: bool | str = False,
     exact_radial: bool | None = None,
     inner_axis: str | None = None,
     chunks_per_rank: int | None = None,
@@ -201,7 +205,10 @@ def skip_reduce(
         small models.
       warmup_steps: a full all-reduce for the first steps, then skipping.
       error_feedback: each rank adds what skipping left out to its next
-        step; per-rank state, placed by :func:`state_specs`.
+        step; per-rank state, placed by :func:`state_specs`. ``"auto"``:
+        only while a measured rule says so (SGD-type optimizer, steps that
+        rarely overshoot; :class:`FeedbackGateState`); it keeps the last
+        params too.
       exact_radial: each output channel's update exact along its weights and
         its mean input; None: on where the params hold a BatchNorm.
       inner_axis: a fast axis summed in full (hierarchical SkipReduce).
@@ -245,6 +252,8 @@ def skip_reduce(
       Sparsity to Accelerate Distributed Machine Learning. MICRO 2025.
     """
     config = _Config.of(config, axis_name, inner_axis)
+    if config.error_feedback == "auto":
+        return _gated(config)
     warned = []  # the BatchNorm warning, once per transformation
 
     def init_fn(params):
@@ -262,6 +271,55 @@ def skip_reduce(
         return _update(config, updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
+    """``error_feedback="auto"``: error feedback while ``_gate`` is open, else Random.
+
+    Both branches are the reduction core with a fixed setting; the ranks
+    agree on the branch. Where ``exact_radial`` applies (BatchNorm), the
+    gate stays shut: error feedback would turn it off.
+    """
+    feed = dataclasses.replace(config, error_feedback=True)
+    drop = dataclasses.replace(config, error_feedback=False)
+    warned = []
+
+    def init_fn(params):
+        _needs_params(params)
+        if not warned and not drop.radial(params) and _warn_if_batchnorm(drop, params):
+            warned.append(True)
+        key = jax.random.key_data(jax.random.key(config.seed))
+        skip = SkipReduceState(jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
+                               residual=_residual_rows(feed, params))
+        return _gate.init(skip, params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        _needs_params(params)
+
+        def dropped():
+            out, skip = _update(drop, updates, state.skip, params)
+            return out, skip._replace(residual=jax.tree_util.tree_map(  # zeros, typed as r
+                lambda r: jnp.where(True, jnp.zeros((), r.dtype), r), skip.residual))
+
+        n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
+        if drop.radial(params) or config.resolve_num_skip(n) == 0:
+            out, skip = dropped()  # nothing to feed back
+        else:
+            out, skip = lax.cond(_gate.is_open(state, _axes(config)),
+                                 lambda: _update(feed, updates, state.skip, params),
+                                 dropped)
+        return out, _gate.advance(state, skip, out, params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _needs_params(params: Any) -> None:
+    if params is None:
+        raise ValueError(
+            f"{_API}(error_feedback='auto'): its rule reads the params' last step, "
+            "but got params=None; call tx.init(params) and "
+            "tx.update(grads, state, params) (optax.chain passes them through).")
 
 
 def _residual_rows(config: _Config, params: Any) -> Any:

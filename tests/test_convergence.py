@@ -116,6 +116,7 @@ def test_variant_arguments():
     assert cv.reduce_kwargs("static", 0.5, 3)["randomize"] is False
     assert cv.reduce_kwargs("random+ef", 0.25, 3) == dict(
         skip_ratio=0.25, min_size=0, seed=3, error_feedback=True)
+    assert cv.reduce_kwargs("random+efauto", 0.5, 3)["error_feedback"] == "auto"
     with pytest.raises(ValueError, match="no selective rule"):
         cv.reduce_kwargs("random-sel", 0.5, 0)
     with pytest.raises(ValueError, match="unknown variant 'random-c0'"):
@@ -221,6 +222,30 @@ def test_tiny_end_to_end(tmp_path):
     assert [r["comm"]["num_skip"] for r in report["runs"]] == [0, 0, 4]
     saved = json.loads((tmp_path / "tiny.json").read_text())
     assert [r["variant"] for r in saved["summary"]] == ["all-reduce", "bound", "random+ef"]
+
+
+@pytest.mark.slow
+def test_tiny_auto_run_records_what_its_rule_reads(tmp_path):
+    report = cv.main(["--steps", "4", "--eval-every", "2", "--variants", "random+efauto",
+                      "--out", str(tmp_path), "--tag", "tiny", "--no-plot"])
+    auto = report["runs"][1]["history"]
+    assert "gate_overshooting" not in report["runs"][0]["history"]  # the all-reduce
+    for name in ("gate_overshooting", "gate_nonlinear"):
+        assert len(auto[name]) == len(auto["step"]) == 3  # steps 0, 2, 4
+        # Each starts at 1 and moves once its test has steps to read.
+        assert auto[name][0] == 1 and 0 <= auto[name][-1] < 1
+
+
+@pytest.mark.slow
+def test_gate_cost_times_the_three_settings(tmp_path):
+    from benchmarks import gate_cost
+    out = tmp_path / "cost.json"
+    [result] = gate_cost.main(["--workloads", "mlp", "--steps", "2", "--repeats", "1",
+                               "--out", str(out)])
+    assert set(result["step_ms"]) == set(gate_cost.VARIANTS)
+    assert result["step_vs_random"]["random"] == 1
+    assert all(v > 0 for v in result["compile_s"].values())
+    assert json.loads(out.read_text())["results"][0]["workload"] == "mlp"
 
 
 @pytest.mark.slow

@@ -1,0 +1,116 @@
+"""The rule of ``skip_reduce(error_feedback="auto")``: when to feed back.
+
+Error feedback (each rank adds what skipping left out to its next step)
+closed the validation gap of a run that over-fits with SGD, and cost runs
+under AdamW and runs at the edge of stability. The gate feeds back while
+both of these hold, each an exponential mean over about the last
+``1 / MEMORY`` steps:
+
+- **The optimizer is linear in the gradients** (SGD, with or without
+  momentum): each step is a combination of the last step and the gradient,
+  ``p_(t+1) - p_t = a (p_t - p_(t-1)) + b g_t``, on every element. The
+  least-squares fit over a fixed sample of elements leaves a share of the
+  step's new part unexplained: 0 for SGD, most of it for AdamW, which
+  divides each element by its own scale. Held below ``NONLINEAR``.
+- **Steps rarely overshoot**: the next gradient points along the last step,
+  ``<g_(t+1), p_(t+1) - p_t> > 0`` (the gradient-restart test), as at the
+  edge of stability. Its share is held below ``OVERSHOOT``.
+
+Both start shut. The state holds the last params and, per leaf, a sample of
+``SAMPLE`` elements of the last step and gradient; the ranks agree through
+one scalar ``pmin`` a step. The measurements: ``docs/records/convergence.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MEMORY = 0.05
+OVERSHOOT = 0.5
+NONLINEAR = 0.1
+SAMPLE = 256
+
+
+class FeedbackGateState(NamedTuple):
+    """State of ``skip_reduce(error_feedback="auto")``.
+
+    Attributes:
+      skip: the :class:`SkipReduceState`; its ``residual`` is zero while the
+        gate is shut.
+      previous: the params of the last step.
+      overshooting: float32, the mean share of overshooting steps (starts
+        at 1).
+      nonlinear: float32, the mean unexplained share of a step (starts at 1).
+      last_step, last_grad: float32[leaves, SAMPLE], the sampled elements
+        of the last step and of the gradient delivered last.
+    """
+
+    skip: Any
+    previous: Any
+    overshooting: jax.Array
+    nonlinear: jax.Array
+    last_step: jax.Array
+    last_grad: jax.Array
+
+
+def _sample(leaves: list[jax.Array]) -> jax.Array:
+    """``SAMPLE`` evenly spaced elements of each leaf (zeros where it is shorter)."""
+    rows = []
+    for x in leaves:
+        flat = x.reshape(-1).astype(jnp.float32)
+        picked = flat[::max(1, flat.size // SAMPLE)][:SAMPLE]
+        rows.append(jnp.pad(picked, (0, SAMPLE - picked.size)))
+    return jnp.stack(rows) if rows else jnp.zeros((0, SAMPLE), jnp.float32)
+
+
+def init(skip: Any, params: Any) -> FeedbackGateState:
+    empty = _sample([jnp.zeros(0)] * len(jax.tree_util.tree_leaves(params)))
+    return FeedbackGateState(skip, jax.tree_util.tree_map(jnp.array, params),
+                             jnp.ones((), jnp.float32), jnp.ones((), jnp.float32),
+                             empty, empty)
+
+
+def is_open(state: FeedbackGateState, axes: tuple[str, ...]) -> jax.Array:
+    """Whether this step feeds back: the same bool on every rank."""
+    open_ = (state.overshooting < OVERSHOOT) & (state.nonlinear < NONLINEAR)
+    return lax.pmin(open_.astype(jnp.int32), axes) > 0
+
+
+def unexplained(step: jax.Array, last_step: jax.Array, grad: jax.Array) -> jax.Array:
+    """The share of ``step``'s part beside ``last_step`` that ``grad`` does not explain.
+
+    0 when ``step = a last_step + b grad``; 1 when it is orthogonal to both.
+    """
+    def beside(x):  # x without its component along last_step
+        return x - last_step * jnp.vdot(x, last_step) / jnp.maximum(
+            jnp.vdot(last_step, last_step), 1e-30)
+
+    u, v = beside(step), beside(grad)
+    uu, vv, uv = jnp.vdot(u, u), jnp.vdot(v, v), jnp.vdot(u, v)
+    share = 1 - uv * uv / jnp.maximum(uu * vv, 1e-30)
+    return jnp.where((uu > 0) & (vv > 0), jnp.clip(share, 0.0, 1.0), 1.0)
+
+
+def advance(state: FeedbackGateState, skip: Any, delivered: Any, params: Any
+            ) -> FeedbackGateState:
+    """The next state, after this step delivered ``delivered`` at ``params``."""
+    grads = jax.tree_util.tree_leaves(delivered)
+    moved = [p.astype(jnp.float32) - q.astype(jnp.float32) for p, q in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(state.previous),
+        strict=True)]
+    step = _sample(moved)  # taken from last_grad, after last_step
+    overshot = sum(jnp.vdot(g.astype(jnp.float32), d) for g, d in zip(grads, moved)) > 0
+    count = state.skip.count  # steps before this one
+
+    def mean(old, new, since):  # the test needs `since` steps taken
+        return jnp.where(count >= since, (1 - MEMORY) * old + MEMORY * new, old)
+
+    return FeedbackGateState(
+        skip, jax.tree_util.tree_map(jnp.array, params),
+        mean(state.overshooting, overshot.astype(jnp.float32), 1),
+        mean(state.nonlinear, unexplained(step, state.last_step, state.last_grad), 2),
+        step, _sample(grads))
