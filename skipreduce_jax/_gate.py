@@ -16,9 +16,10 @@ both of these hold, each an exponential mean over about the last
   ``<g_(t+1), p_(t+1) - p_t> > 0`` (the gradient-restart test), as at the
   edge of stability. Its share is held below ``OVERSHOOT``.
 
-Both start shut. The state holds the last params and, per leaf, a sample of
-``SAMPLE`` elements of the last step and gradient; the ranks agree through
-one scalar ``pmin`` a step. The measurements: ``docs/records/convergence.md``.
+Both start at 1, shut: the first opening comes after about 45 steps
+(``0.95 ** 45 < NONLINEAR``). The state holds the last params and, per
+leaf, a sample of ``SAMPLE`` elements of the last step and gradient; the
+ranks agree through one scalar ``pmin`` a step. The measurements: ``docs/records/convergence.md``.
 """
 
 from __future__ import annotations
