@@ -19,7 +19,8 @@ both of these hold, each an exponential mean over about the last
 Both start at 1, shut: the first opening comes after about 45 steps
 (``0.95 ** 45 < NONLINEAR``). The state holds the last params and, per
 leaf, a sample of ``SAMPLE`` elements of the last step and gradient; the
-ranks agree through one scalar ``pmin`` a step. The measurements: ``docs/records/convergence.md``.
+ranks agree through one scalar ``pmin`` a step. The measurements:
+``docs/records/convergence.md``.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class _Config(SkipConfig):
         """
         if self.exact_radial is not None:
             return self.exact_radial
-        return (params is not None and self.error_feedback in (False, "auto")
+        return (params is not None and self.error_feedback is not True
                 and not self.params_sharded and any(in_batchnorm(params)))
 
     def skippable(self, updates: Any, params: Any) -> list[bool]:
@@ -257,14 +257,8 @@ def skip_reduce(
     warned = []  # the BatchNorm warning, once per transformation
 
     def init_fn(params):
-        key = jax.random.key_data(jax.random.key(config.seed))
-        if (not config.error_feedback and not warned
-                and not config.radial(params) and _warn_if_batchnorm(config, params)):
-            warned.append(True)
-        return SkipReduceState(
-            jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
-            residual=(_residual_rows(config, params) if config.error_feedback
-                      else optax.EmptyState()))
+        return _initial_state(config, params, warned, residual=(
+            _residual_rows(config, params) if config.error_feedback else optax.EmptyState()))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -286,12 +280,8 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
 
     def init_fn(params):
         _needs_params(params)
-        if not warned and not drop.radial(params) and _warn_if_batchnorm(drop, params):
-            warned.append(True)
-        key = jax.random.key_data(jax.random.key(config.seed))
-        skip = SkipReduceState(jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
-                               residual=_residual_rows(feed, params))
-        return _gate.init(skip, params)
+        return _gate.init(_initial_state(config, params, warned,
+                                         residual=_residual_rows(feed, params)), params)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -302,8 +292,11 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
             return out, skip._replace(residual=jax.tree_util.tree_map(  # zeros, typed as r
                 lambda r: jnp.where(True, jnp.zeros((), r.dtype), r), skip.residual))
 
+        if drop.radial(params):  # shut for good: the rule is not read
+            out, skip = dropped()
+            return out, state._replace(skip=skip)
         n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
-        if drop.radial(params) or config.resolve_num_skip(n) == 0:
+        if config.resolve_num_skip(n) == 0:
             out, skip = dropped()  # nothing to feed back
         else:
             out, skip = lax.cond(_gate.is_open(state, _axes(config)),
@@ -312,6 +305,20 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
         return out, _gate.advance(state, skip, out, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _initial_state(config: _Config, params: Any, warned: list[bool], residual: Any
+                   ) -> SkipReduceState:
+    """Step 0's state; warns once (``warned``) where Random may skip BatchNorm's inputs.
+
+    That is, where the params hold a BatchNorm and ``exact_radial`` is off.
+    """
+    if (config.error_feedback is not True and not warned
+            and not config.radial(params) and _warn_if_batchnorm(config, params)):
+        warned.append(True)
+    key = jax.random.key_data(jax.random.key(config.seed))
+    return SkipReduceState(jnp.zeros((), jnp.int32), key, jnp.uint32(config.fingerprint()),
+                           residual=residual)
 
 
 def _needs_params(params: Any) -> None:

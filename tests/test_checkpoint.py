@@ -26,7 +26,7 @@ RESUME_SCRIPT = REPO / "tests" / "mp_scripts" / "checkpoint_resume.py"
 RESUME_SCRIPT_T = 3  # T of checkpoint_resume.py: it saves steps T and 2T
 
 
-def _make_tx(num_skip: int = 5, error_feedback: bool = True,
+def _make_tx(num_skip: int = 5, error_feedback: bool | str = True,
              min_size: int = 0, selective: Any = None) -> Any:
     # Random SkipReduce with error feedback (the residuals carry state) and a
     # warmup that ends before the checkpoint: steps 2..2T-1 skip.
@@ -110,6 +110,22 @@ def test_resume_is_bit_identical_with_error_feedback_and_warmup(mesh, uninterrup
     _assert_trees_equal(_host(params), final_params)
     _assert_trees_equal(_host(opt_state), final_state)
     assert step_fn._cache_size() == 1  # restored placement matches the step's
+
+
+def test_resume_with_error_feedback_auto_restores_its_rule(mesh, tmp_path):
+    _, params, opt_state, step_fn = _fresh(mesh, error_feedback="auto")
+    params, opt_state = _run(step_fn, params, opt_state, mesh, 0, T)
+    checkpoint.save(tmp_path, T, params, opt_state)
+    params, opt_state = _run(step_fn, params, opt_state, mesh, T, 2 * T)
+    final_params, final_state = _host(params), _host(opt_state)
+    _, params, opt_state, step_fn = _fresh(mesh, seed=123, error_feedback="auto")
+    _, params, opt_state = checkpoint.restore(tmp_path, params_like=params,
+                                              opt_state_like=opt_state)
+    assert isinstance(opt_state[0], sr.FeedbackGateState)
+    assert float(opt_state[0].nonlinear) < 1  # the rule's mean, not its start
+    params, opt_state = _run(step_fn, params, opt_state, mesh, T, 2 * T)
+    _assert_trees_equal(_host(params), final_params)
+    _assert_trees_equal(_host(opt_state), final_state)
 
 
 def test_resume_with_a_leaf_that_is_never_skipped(mesh, tmp_path):
