@@ -13,12 +13,11 @@ This file holds that step twice, for a line-by-line comparison:
     The step as lm1b writes it: ``jax.value_and_grad`` of a loss closing over
     the batch; XLA inserts the gradient all-reduce.
 :func:`skipreduce_step`
-    The same step with ``skipreduce_jax.value_and_grad`` over ``"data"``.
-    Four lines differ, and the import: the loss still closes over the batch
-    (each rank gets its rows of it), its normaliser is ``sr.mean_count`` of
-    the token count, and the logits come back as every rank's rows
-    (``sr.PerRank``), so the metrics, counts included, are computed on the
-    global batch exactly as before.
+    The same step with ``skipreduce_jax.value_and_grad`` over ``"data"``: the
+    ``grad_fn`` line differs, and the import. The loss means what it means
+    for ``jax.value_and_grad`` (its token count is the global batch's, its
+    dropout mask lm1b's own, row by row), so the metrics, counts included,
+    are computed from the logits exactly as before.
 
 ``--mesh data`` puts the 8 devices on ``data`` (SkipReduce over 8 ranks);
 ``--mesh fsdp`` is lm1b's default, ``data=1, fsdp=8``: one rank, where
@@ -73,12 +72,14 @@ def compute_metrics(logits, targets, weights):
     return {"loss": loss, "accuracy": accuracy, "denominator": denominator}
 
 
-def plain_step(state, batch, *, mesh, config):
+def plain_step(state, batch, dropout_rng, *, sr_options):
     """lm1b's train_step: jax.value_and_grad of a loss closing over the batch."""
     inputs, weights = batch
+    dropout_rng = jax.random.fold_in(dropout_rng, state.step)
 
     def loss_fn(params):
-        logits = state.apply_fn({"params": params}, inputs[:, :-1])
+        logits = state.apply_fn({"params": params}, inputs[:, :-1], train=True,
+                                rngs={"dropout": dropout_rng})
         loss, weight_sum = weighted_cross_entropy(logits, inputs[:, 1:], weights)
         return loss / weight_sum, logits
 
@@ -88,20 +89,24 @@ def plain_step(state, batch, *, mesh, config):
     return state, compute_metrics(logits, inputs[:, 1:], weights)
 
 
-def skipreduce_step(state, batch, *, mesh, config):
-    """The same step; SkipReduce averages the gradients over ``"data"``."""
+def skipreduce_step(state, batch, dropout_rng, *, sr_options):
+    """The same step; SkipReduce sums the gradients over ``"data"``.
+
+    ``sr_options``: the mesh, the data axis and the skip settings (:func:`train`).
+    """
     inputs, weights = batch
+    dropout_rng = jax.random.fold_in(dropout_rng, state.step)
 
     def loss_fn(params):
-        logits = state.apply_fn({"params": params}, inputs[:, :-1])
+        logits = state.apply_fn({"params": params}, inputs[:, :-1], train=True,
+                                rngs={"dropout": dropout_rng})
         loss, weight_sum = weighted_cross_entropy(logits, inputs[:, 1:], weights)
-        return loss / sr.mean_count(weight_sum), sr.PerRank(logits)
+        return loss / weight_sum, logits
 
-    grad_fn = sr.value_and_grad(loss_fn, mesh, "data", step=state.step, has_aux=True,
-                                **config.skip_options)
+    grad_fn = sr.value_and_grad(loss_fn, step=state.step, has_aux=True, **sr_options)
     (_, logits), grads = grad_fn(state.params)
     state = state.apply_gradients(grads=grads)
-    return state, compute_metrics(logits.value, inputs[:, 1:], weights)
+    return state, compute_metrics(logits, inputs[:, 1:], weights)
 
 
 STEPS = {"plain": plain_step, "skipreduce": skipreduce_step}
@@ -118,7 +123,7 @@ def make_mesh(layout: str) -> jax.sharding.Mesh:
 
 def init_state(config: Config, mesh: jax.sharding.Mesh):
     """An AdamW ``TrainState``, params placed by the logical rules over ``fsdp``."""
-    model = LM(config.d_model, config.layers, config.heads, config.seq_len)
+    model = LM(config.d_model, config.layers, config.heads, config.seq_len, config.dropout)
     rules = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("vocab", None),
              ("length", None), ("heads", None), ("kv", None), ("mlp", None))
 
@@ -140,14 +145,15 @@ def train(variant: str, layout: str, config: Config, corpus: Any) -> list[dict[s
     mesh = make_mesh(layout)
     state, shardings = init_state(config, mesh)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-    step = jax.jit(functools.partial(STEPS[variant], mesh=mesh, config=config),
-                   in_shardings=(shardings, batch_sharding),
+    sr_options = dict(mesh=mesh, axis_name="data", **config.skip_options)
+    step = jax.jit(functools.partial(STEPS[variant], sr_options=sr_options),
+                   in_shardings=(shardings, batch_sharding, NamedSharding(mesh, P())),
                    out_shardings=(shardings, NamedSharding(mesh, P())),
                    donate_argnums=0)
-    history = []
+    history, dropout_rng = [], jax.random.key(config.seed + 1)
     for i, batch in enumerate(padded_batches(
             corpus.train, config, mesh.size * config.batch_per_device), 1):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, dropout_rng)
         metrics = {k: float(v) for k, v in metrics.items()}
         history.append(metrics)
         if i % config.eval_every == 0 or i == config.steps:

@@ -95,6 +95,7 @@ class Config:
     layers: int = 2
     heads: int = 4
     lr: float = 3e-3
+    dropout: float = 0.1
     skip_ratio: float = 0.5
     min_size: int = 1024
     eval_every: int = 20
@@ -117,6 +118,7 @@ HELP = {
     "batch_per_device": "windows per device per micro-step",
     "skip_ratio": "fraction of the replica ring's reduce-scatter steps skipped",
     "min_size": "leaves with fewer elements always get a full all-reduce",
+    "dropout": "dropout rate in training (embeddings, attention and MLP outputs)",
 }
 
 
@@ -160,20 +162,22 @@ class Block(nn.Module):
 
     num_heads: int
     mlp_ratio: int = 4
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        drop = nn.Dropout(self.dropout_rate, deterministic=not train)
         width = x.shape[-1]
         heads = (self.num_heads, width // self.num_heads)
         h = _layer_norm("ln_attn")(x)
         q, k, v = (_dense(heads, ("embed", "heads", "kv"), use_bias=False, name=name)(h)
                    for name in ("query", "key", "value"))
         h = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + _dense(width, ("heads", "kv", "embed"), axis=(-2, -1), use_bias=False,
-                       name="out")(h)
+        x = x + drop(_dense(width, ("heads", "kv", "embed"), axis=(-2, -1), use_bias=False,
+                            name="out")(h))
         h = _layer_norm("ln_mlp")(x)
         h = nn.gelu(_dense(self.mlp_ratio * width, ("embed", "mlp"), name="fc")(h))
-        return x + _dense(width, ("mlp", "embed"), name="proj")(h)
+        return x + drop(_dense(width, ("mlp", "embed"), name="proj")(h))
 
 
 class LM(nn.Module):
@@ -184,15 +188,17 @@ class LM(nn.Module):
       num_layers: transformer blocks.
       num_heads: attention heads per block.
       max_len: longest input sequence.
+      dropout_rate: dropout in training (``train=True``, an rng named "dropout").
     """
 
     d_model: int
     num_layers: int
     num_heads: int
     max_len: int
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(VOCAB_SIZE, self.d_model, name="tok_embed",
                          embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))
@@ -203,9 +209,9 @@ class LM(nn.Module):
         # GSPMD rematerialise the activations in full.
         table = embed.embedding
         x = jax.nn.one_hot(tokens, VOCAB_SIZE, dtype=table.dtype) @ table
-        x = x + pos[:tokens.shape[1]]
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x + pos[:tokens.shape[1]])
         for i in range(self.num_layers):
-            x = Block(self.num_heads, name=f"block_{i}")(x)
+            x = Block(self.num_heads, dropout_rate=self.dropout_rate, name=f"block_{i}")(x, train)
         return embed.attend(_layer_norm("ln_final")(x))
 
 
@@ -242,16 +248,17 @@ def step_metrics(state: train_state.TrainState, loss: jax.Array,
 # ----------------------------------------------------------------------------
 
 
-def plain_step(state, batch, *, mesh, shardings, config):
+def plain_step(state, batch, *, mesh, config, sr_options):
     """One micro-step on the global batch; XLA all-reduces the gradients.
 
-    ``mesh``, ``shardings`` (the state's, as given to ``jax.jit``) and
-    ``config`` are the loop's, given to both steps alike.
+    ``mesh``, ``config`` and ``sr_options`` are the loop's, given to both
+    steps alike. Dropout draws its mask from a key folded with the step.
     """
     batch = lax.with_sharding_constraint(batch, NamedSharding(mesh, P(mesh.axis_names)))
+    rngs = {"dropout": jax.random.fold_in(jax.random.key(config.seed), state.step)}
 
     def loss_fn(params, batch):
-        logits = state.apply_fn({"params": params}, batch[0][:, :-1])
+        logits = state.apply_fn({"params": params}, batch[0][:, :-1], train=True, rngs=rngs)
         return token_loss(logits, batch, jnp.sum(batch[1]))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -260,23 +267,22 @@ def plain_step(state, batch, *, mesh, shardings, config):
     return state, step_metrics(state, loss, accuracy)
 
 
-def skipreduce_step(state, batch, *, mesh, shardings, config):
-    """The same micro-step; SkipReduce averages the gradients over ``"replica"``.
+def skipreduce_step(state, batch, *, mesh, config, sr_options):
+    """The same micro-step; SkipReduce sums the gradients over ``"replica"``.
 
-    ``sr.mean_count`` makes the token count the global one (over the ranks);
-    ``param_specs`` (the params' part of ``in_shardings``) tells the ring how
-    the params lie over ``"fsdp"`` (Auto axes do not say so inside
-    ``jax.jit``), so that it runs on each device's shards and nothing extra
-    crosses ``"fsdp"``.
+    ``sr_options`` (:func:`compile_step`): the mesh, the data axis, the skip
+    settings and ``param_specs``, the params' part of ``in_shardings``, which
+    tells the ring how the params lie over ``"fsdp"`` (Auto axes do not say
+    so inside ``jax.jit``), so that it runs on each device's shards.
     """
     batch = lax.with_sharding_constraint(batch, NamedSharding(mesh, P(mesh.axis_names)))
+    rngs = {"dropout": jax.random.fold_in(jax.random.key(config.seed), state.step)}
 
     def loss_fn(params, batch):
-        logits = state.apply_fn({"params": params}, batch[0][:, :-1])
-        return token_loss(logits, batch, sr.mean_count(jnp.sum(batch[1])))
+        logits = state.apply_fn({"params": params}, batch[0][:, :-1], train=True, rngs=rngs)
+        return token_loss(logits, batch, jnp.sum(batch[1]))
 
-    grad_fn = sr.value_and_grad(loss_fn, mesh, "replica", step=state.step, has_aux=True,
-                                param_specs=shardings.params, **config.skip_options)
+    grad_fn = sr.value_and_grad(loss_fn, step=state.step, has_aux=True, **sr_options)
     (loss, accuracy), grads = grad_fn(state.params, batch)
     state = state.apply_gradients(grads=grads)
     return state, step_metrics(state, loss, accuracy)
@@ -307,7 +313,7 @@ def make_mesh(config: Config) -> jax.sharding.Mesh:
 
 def make_model(config: Config) -> LM:
     """The model of ``config``."""
-    return LM(config.d_model, config.layers, config.heads, config.seq_len)
+    return LM(config.d_model, config.layers, config.heads, config.seq_len, config.dropout)
 
 
 def create_state(model: LM, tx: optax.GradientTransformation, key: jax.Array,
@@ -336,10 +342,16 @@ def init_state(config: Config, mesh: jax.sharding.Mesh
     return state, shardings
 
 
-def compile_step(variant: str, config: Config, mesh: jax.sharding.Mesh, shardings: Any):
-    """``jax.jit`` of a step with the state's shardings; the state is donated."""
+def compile_step(variant: str, config: Config, mesh: jax.sharding.Mesh, shardings: Any,
+                 **options: Any):
+    """``jax.jit`` of a step with the state's shardings; the state is donated.
+
+    ``options``: more of ``sr.value_and_grad``'s, e.g. ``check=False``.
+    """
     batch = NamedSharding(mesh, P(mesh.axis_names))
-    step = functools.partial(STEPS[variant], mesh=mesh, shardings=shardings, config=config)
+    sr_options = dict(mesh=mesh, axis_name="replica", param_specs=shardings.params,
+                      **config.skip_options, **options)
+    step = functools.partial(STEPS[variant], mesh=mesh, config=config, sr_options=sr_options)
     return jax.jit(step, in_shardings=(shardings, batch),
                    out_shardings=(shardings, NamedSharding(mesh, P())),
                    donate_argnames="state")

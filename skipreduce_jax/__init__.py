@@ -24,7 +24,6 @@ from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
 from skipreduce_jax._count import mean_count as mean_count
 from skipreduce_jax._gate import FeedbackGateState as FeedbackGateState
-from skipreduce_jax._grad import GlobalDivisorWarning as GlobalDivisorWarning
 from skipreduce_jax._grad import value_and_grad as value_and_grad
 from skipreduce_jax._guards import assert_replicated as assert_replicated
 from skipreduce_jax._guards import check_replicated as check_replicated
@@ -37,6 +36,7 @@ from skipreduce_jax._norms import BatchNormWarning as BatchNormWarning
 from skipreduce_jax._parallel import PerRank as PerRank
 from skipreduce_jax._parallel import data_parallel as data_parallel
 from skipreduce_jax._parallel import rank_key as rank_key
+from skipreduce_jax._partition import PartitionReport as PartitionReport
 from skipreduce_jax._schedule import ScatterSchedule as ScatterSchedule
 from skipreduce_jax._schedule import SkipSchedule as SkipSchedule
 from skipreduce_jax._schedule import balanced_draw as balanced_draw

@@ -1,17 +1,23 @@
 """``value_and_grad``: SkipReduce where ``jax.value_and_grad`` stood.
 
-Called inside the user's own ``jax.jit`` step, it is a ``jax.shard_map``
-manual over the data axis only: each rank differentiates the loss on its
-rows of the batch (the other mesh axes stay with the compiler, so the loss
-is plain GSPMD code there), and :func:`skip_reduce`'s reduction, built with
-the caller's options, averages the local gradients. It keeps no state: the
-step's key and warm-up come from ``seed`` and the ``step`` the caller
-passes, as :func:`skip_reduce` derives them from its own step count.
+Called inside the user's own ``jax.jit`` step, it traces the loss once on
+the global arguments, as ``jax.jit`` sees them, and runs that program in a
+``jax.shard_map`` manual over the data axes only, partitioned by
+:mod:`skipreduce_jax._partition`: every value keeps its global meaning
+(sums, means, maxima, batch statistics, dropout masks, ``aux``), each rank
+computing its rows. The params enter cast to varying, so each rank's
+gradient is its own contribution to the global one, and
+:func:`skip_reduce`'s ring, built with the caller's options, sums them. It
+keeps no state: the step's key and warm-up come from ``seed`` and the
+``step`` the caller passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,26 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
+from jax.experimental import io_callback
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
-from skipreduce_jax._closure import with_args
 from skipreduce_jax._config import skip_config
 from skipreduce_jax._micro import accumulate
-from skipreduce_jax._parallel import (
-    AxisNames,
-    PerRank,
-    check_batch,
-    markers,
-    mesh_axes,
-    per_rank_flags,
-    positions,
-    run_per_rank,
-)
-from skipreduce_jax._replay import closed_over, constants, divisor, replay, trace, unfed
+from skipreduce_jax._parallel import AxisNames, check_batch, mesh_axes, positions
+from skipreduce_jax._partition import PartitionReport, evaluate, settled, varying
+from skipreduce_jax._replay import tracing_markers
 from skipreduce_jax._transform import (
     NothingSkippedWarning,
     SkipConfig,
@@ -47,19 +44,9 @@ from skipreduce_jax._transform import (
     skip_reduce,
 )
 from skipreduce_jax._transform import _update as skip_update
+from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
-_CLOSED_OVER = (
-    _API + ": fun closes over {what}. fun runs on each rank's rows of the batch; "
-    "{why}: every rank would compute the whole batch and hold the same gradient. "
-    "Pass the batch as an argument instead: def loss_fn(params, batch): ... with "
-    "grad_fn(params, batch).")
-_OUT_OF_REACH = (
-    "a closed-over batch is passed to each rank as its rows where the loss holds "
-    "it in a closure cell, a default or a functools.partial and either no batch "
-    "argument is passed or its layout splits its rows over the data axis; this "
-    "one is not (out of reach, or not shown to be the batch), so it would reach "
-    "every rank whole")
 # Options that keep state from step to step, which a stateless entry point
 # cannot carry, and what to do instead.
 _STATEFUL = {
@@ -85,6 +72,7 @@ def value_and_grad(
     batch_argnums: int | Sequence[int] | None = None,
     param_specs: Any = None,
     microbatches: int = 1,
+    check: bool = True,
     config: SkipConfig | None = None,
     **skip_options: Any,
 ) -> Callable[..., Any]:
@@ -92,22 +80,22 @@ def value_and_grad(
 
     Use it inside your own ``jax.jit`` step in place of
     ``jax.value_and_grad``; the optimizer, its state and the loop stay as
-    they are. It takes and returns global arrays. ``fun`` is traced once as
-    plain ``jax.jit`` code and runs on each rank's rows of the batch
-    (arguments not in ``argnums``, or ``batch_argnums``; closed-over arrays
-    that are the batch too), manual over ``axis_name`` only; the local
-    gradients are averaged by :func:`skip_reduce` with ``skip_options``.
+    they are. It takes and returns global arrays, and the loss means what it
+    means under ``jax.jit``: at ``num_skip=0`` the value, every ``aux`` leaf
+    and every gradient are ``jax.value_and_grad``'s (sums, masked means,
+    batch statistics, maxima, dropout masks, ``jax.custom_vjp`` rules), with
+    no helper to call in the loss. Each rank computes its rows of the batch;
+    what crosses rows in ways that cannot be split (a sort or top-k over the
+    rows, ``x @ x.T``) is gathered and computed whole, and
+    ``grad_fn.report`` counts those bytes.
 
-    - The grads are identical on every rank, in the params' layouts; at
-      ``num_skip=0`` they are ``jax.value_and_grad``'s for a loss that is a
-      mean, or that divides by :func:`mean_count` of a count.
-    - The value is the mean over ranks; an ``aux`` leaf that is a sum over
-      the batch's rows (a count) the sum; :class:`PerRank` leaves every
-      rank's rows in the global batch's order.
-    - What is refused or warned of, and why (a batch out of reach, a
-      divisor of the global batch's size, nothing to split, a
-      ``jax.custom_vjp`` beside Explicit layouts): the table in
-      :doc:`jit loop </guides/jit-loop>`.
+    - The batch: the arguments not in ``argnums`` whose layout splits them
+      over ``axis_name`` (Explicit axes: their types; placed arrays: their
+      shardings), else (Auto axes inside ``jax.jit``) those whose rows divide
+      over the ranks; ``batch_argnums`` names them instead. Whatever is not
+      split (class weights, a key, closed-over arrays) is whole on every rank,
+      which is exact too.
+    - The grads are identical on every rank, in the params' layouts.
     - Under Explicit axes run the step under ``jax.set_mesh(mesh)``; a loss
       written for them (``reshard``, ``out_sharding=``) runs as written.
     - It keeps no state: the key and warm-up come from ``seed`` and
@@ -126,8 +114,9 @@ def value_and_grad(
         ``state.step``). Required.
       has_aux: as for ``jax.value_and_grad``.
       argnums: the params' positions, as for ``jax.value_and_grad``.
-      batch_argnums: positions split over ``axis_name``; None: every
-        position not in ``argnums``.
+      batch_argnums: the positions split over ``axis_name`` (their leading
+        dimension, or the one their layout splits); None: found from the
+        layouts, as above.
       param_specs: how the params are laid out over the other mesh axes (a
         pytree prefix of ``PartitionSpec`` or ``NamedSharding``, e.g. the
         params' part of the ``in_shardings`` given to ``jax.jit``), so that
@@ -137,20 +126,28 @@ def value_and_grad(
         leaves before the ring (the same values, more bytes; a warning says so).
       microbatches: gradient accumulation inside the step, one ring per
         step (:doc:`gradient accumulation </guides/gradient-accumulation>`):
-        each rank's row ``i`` goes to micro-batch ``i % microbatches``; each
-        ``aux`` leaf comes back stacked, one entry per micro-batch.
+        each rank's row ``i`` goes to micro-batch ``i % microbatches``; the
+        value and grads are the mean over micro-batches, each ``aux`` leaf
+        comes back stacked, one entry per micro-batch.
+      check: at ``step == 0``, compare the value, every ``aux`` leaf and
+        every gradient at ``num_skip=0`` with ``jax.value_and_grad`` of the
+        global loss on the same batch; if one differs, print its name and
+        return the value as NaN (a ``lax.cond`` on the step: later steps do
+        not run it). Not with ``microbatches``.
       config: the skip settings as a :class:`SkipConfig` (or as keywords).
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
     Returns:
       ``f(*args) -> (value, grads)`` (``((value, aux), grads)`` with
-      ``has_aux``), as ``jax.value_and_grad`` returns.
+      ``has_aux``), as ``jax.value_and_grad`` returns. ``f.report`` is the
+      last trace's :class:`skipreduce_jax.PartitionReport`.
 
     Raises:
       ValueError: if ``step`` is missing or not an int scalar, an option
-        needs state, ``axis_name`` is not an axis of ``mesh``, or a batch
-        leaf does not split evenly over the ranks.
+        needs state, ``axis_name`` is not an axis of ``mesh``, a
+        ``batch_argnums`` leaf does not split evenly over the ranks, or the
+        loss itself reduces over the data axis.
 
     Example:
       >>> import optax
@@ -159,8 +156,8 @@ def value_and_grad(
       >>> tx = optax.sgd(0.1)
       >>> @jax.jit
       ... def train_step(w, opt_state, x, step):
-      ...     grad_fn = value_and_grad(loss_fn, mesh, "data", step=step,
-      ...                              skip_ratio=0.5, min_size=0)
+      ...     grad_fn = sr.value_and_grad(loss_fn, mesh, "data", step=step,
+      ...                                 skip_ratio=0.5, min_size=0)
       ...     loss, grads = grad_fn(w, x)
       ...     updates, opt_state = tx.update(grads, opt_state)
       ...     return optax.apply_updates(w, updates), opt_state, loss
@@ -172,21 +169,17 @@ def value_and_grad(
     """
     return build(fun, mesh, axis_name, step=step, has_aux=has_aux, argnums=argnums,
                  batch_argnums=batch_argnums, param_specs=param_specs,
-                 microbatches=microbatches, config=config, skip_options=skip_options)
+                 microbatches=microbatches, check=check, config=config,
+                 skip_options=skip_options)
 
 
 def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           step: Any, has_aux: bool, argnums: int | Sequence[int],
           batch_argnums: int | Sequence[int] | None, param_specs: Any,
           microbatches: int, skip_options: dict[str, Any],
-          config: SkipConfig | None = None,
-          describe: Callable[[int], str] = "argument {}".format,
-          state_path: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``.
-
-    ``state_path``: the key path (indices) of the output that is the model's
-    state, not the user's aux (its rows are not per example).
-    """
+          config: SkipConfig | None = None, check: bool = True,
+          describe: Callable[[int], str] = "argument {}".format) -> Callable[..., Any]:
+    """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
     mesh = _resolve_mesh(mesh)
     if axis_name is None and len(mesh.axis_names) > 1:
         # The data axis is the one the batch's rows are split over, as the
@@ -199,7 +192,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                     fun, mesh, axis, step=step, has_aux=has_aux, argnums=argnums,
                     batch_argnums=batch_argnums, param_specs=param_specs,
                     microbatches=microbatches, skip_options=skip_options, config=config,
-                    describe=describe, state_path=state_path)
+                    check=check, describe=describe)
             return built[axis]
 
         params_at = positions(argnums, "argnums", api=_API)
@@ -214,6 +207,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                          "axis, or two (outer, inner) for hierarchical SkipReduce.")
     step = _check_step(step)
     microbatches = checks.check_int(microbatches, "microbatches", api=_API, minimum=1)
+    check = checks.check_bool(check, "check", api=_API) and microbatches == 1
     config = _check_options(config, skip_options)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
                      config=config)
@@ -229,19 +223,20 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             "batch is split over it. Take the params out of batch_argnums.")
     single = isinstance(argnums, (int, np.integer))
     ranks = math.prod(mesh.shape[a] for a in axes)
-
     jitted = []
 
     def wrapped(*args, **kwargs):
         if not kwargs and not any(isinstance(leaf, jax.core.Tracer)
                                   for leaf in jax.tree_util.tree_leaves(args)):
-            # Called outside jit: one compiled program, reused on later calls.
+            # Called outside jit: one compiled program, reused on later calls;
+            # the placed arrays' layouts are read before jit hides them.
             if not jitted:
-                jitted.append(jax.jit(traced))
+                placed = [_placed_spec(leaf) for leaf in jax.tree_util.tree_leaves(args)]
+                jitted.append(jax.jit(lambda *a: traced(*a, placed=placed)))
             return jitted[0](*args)
         return traced(*args, **kwargs)
 
-    def traced(*args, **kwargs):
+    def traced(*args, placed=None, **kwargs):
         if kwargs:
             raise TypeError(
                 f"{_API}: pass fun's arguments positionally (got keyword "
@@ -255,160 +250,422 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         # Params as arrays: a Python number among them is differentiated, not a constant.
         args = tuple(jax.tree_util.tree_map(jnp.asarray, a) if i in params_at else a
                      for i, a in enumerate(args))
-        batch = (tuple(i for i in range(len(args)) if i not in params_at)
-                 if given_batch is None else given_batch)
-        for i in batch:
+        for i in given_batch or ():
             check_batch(args[i], ranks, axes, api=_API, name=describe(i),
-                        or_else="pass it in neither argnums nor batch_argnums "
-                                "(replicated)", traced=True)
-        # As jax.value_and_grad returns their grads.
-        params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
+                        or_else="leave it out of batch_argnums (whole on every rank)",
+                        traced=True)
         if ranks == 1:
-            # One rank: the gradient is already the global one (and XLA's
-            # partitioner refuses an all-reduce over a size-1 manual axis).
-            grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-            return accumulate(grad, args, batch, microbatches, has_aux=has_aux)
+            # One rank: the gradient is already the global one.
+            return _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
+                                args, params_at, given_batch, microbatches, has_aux)
+        params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
         specs = _param_specs(params, param_specs, mesh, axes)
-        rows = {leaf.shape[0] for i in batch
-                for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
-        # The loss, traced once as the caller's jit sees it, on one rank's
-        # (micro-)batch; replayed per rank below.
-        loss = fun
-        try:
-            traced = _trace(loss, args, batch)
-            consts = traced.consts
-        except Exception:
-            try:
-                consts = closed_over(loss, args)
-            except Exception:
-                if any_explicit:
-                    raise  # as plain jit refuses it
-                consts = None
-            if rows and consts:  # did the global batch, closed over, meet a rank's rows?
-                _refuse_closed_over_batch([c for c in consts if not _shown_split(c, axes)],
-                                          rows)
-            if not any_explicit or consts is None:
-                raise
-            # Code that sets layouts over Explicit axes traces as the caller's
-            # jit sees it (for what it closes over), then as one rank's.
-            traced = None
-        closed = _closed_over_batch(consts, rows, axes, ranks,
-                                    traced.jaxpr if traced else None)
-        # Under Explicit axes every array it closes over carries the caller's mesh.
-        others = [] if traced else [
-            c for c in consts if _type_spec(c) is not None and all(c is not b for b in closed)]
-        if closed or others:
-            # The batch it closes over becomes a split argument, the rest whole.
-            check_batch(closed, ranks, axes, api=_API, name="an array fun closes over",
-                        or_else="pass it to fun as an argument", traced=True)
-            args, batch = (*args, closed, others), (*batch, len(args))
-            rows |= {c.shape[0] for c in closed}
-            loss = _closing_over(loss, closed + others)
-        if traced and (closed or others):
-            traced = _trace(loss, args, batch)
-        typed = not traced
-        if typed:
-            try:
-                traced = _trace(loss, args, batch, typed=True)
-            except Exception:
-                # An array it still closes over carries the caller's mesh.
-                _refuse_closed_over_batch(closed_over(loss, args), set())
-                raise
-        _refuse_closed_over_batch(traced.consts, rows)
-        if not rows:
-            _warn_nothing_split(traced.consts, ranks, axes)
-        _warn_global_divisor(traced, rows, ranks)
-        # An output no argument feeds (a count from the batch's shapes) is
-        # what jax.value_and_grad gives: traced on the global (micro-)batch.
-        fixed = unfed(traced)
-        fixed = dict(zip(fixed, constants(
-            _trace(loss, args, batch, typed=typed, parts=microbatches), fixed),
-            strict=True)) if fixed else {}
-        return run(traced, step, args, batch, params, specs, fixed)
+        program = _Program.trace(fun, args, params_at, given_batch, placed, axes, ranks,
+                                 microbatches, check)
+        wrapped.report = program.report
+        treedef = jax.tree_util.tree_structure(params)
+        outs, grads = _run(program, mesh, axes, ranks, step, specs, settings, tx,
+                           treedef, microbatches)
+        if check:
+            exact = settings
+            if settings.resolve_num_skip(mesh.shape[axes[0]]) or settings.comm_dtype is not None:
+                exact = dataclasses.replace(settings, num_skip=0, skip_ratio=None,
+                                            comm_dtype=None)
+            twin = None if exact is settings else lambda: _run(
+                program, mesh, axes, ranks, step, specs, exact, tx, treedef, 1)
+            _check_first_step(program, outs, grads, step, mesh, treedef, twin)
+        return program.out_tree.unflatten(outs), jax.tree_util.tree_unflatten(treedef, grads)
 
-    def _trace(fun, args, batch, typed=False, parts=None):
-        return trace(fun, args, [i in batch for i in range(len(args))], mesh, axes,
-                     [_type_spec(x) for x in jax.tree_util.tree_leaves(args)]
-                     if typed else None, ranks * microbatches if parts is None else parts)
-
-    any_explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-
-    def run(traced, step, args, batch, params, specs, fixed):
-        """The traced loss per rank (its own gradients), then the ring."""
-        grad = jax.value_and_grad(replay(traced, markers(axes)), argnums=argnums,
-                                  has_aux=has_aux)
-        sample = traced.out_tree.unflatten([0] * traced.out_tree.num_leaves)
-        per_rank = per_rank_flags(sample)
-        stacked = [v or f for v, f in zip(traced.out_varying, per_rank, strict=True)]
-        with_paths = jax.tree_util.tree_flatten_with_path(sample)[0]
-        avals = [v.aval for v in traced.jaxpr.outvars]
-        for (path, _), f, aval in zip(with_paths, per_rank, avals, strict=True):
-            if f and not aval.ndim:
-                raise ValueError(
-                    f"{_API}: skipreduce_jax.PerRank at {_where(path)} holds a "
-                    "scalar. PerRank is for per-example rows (a leading batch "
-                    "dimension), which come back as every rank's rows in the "
-                    "global batch's order; return a scalar unwrapped (it comes "
-                    "back as the mean over ranks).")
-
-        def local(consts, *local_args):
-            """One rank's value, aux and gradients: its own, not summed."""
-            out, grads = accumulate(lambda *a: grad(*a, consts), local_args, batch,
-                                    microbatches, has_aux=has_aux)
-            leaves = [_rows_in_order(x, microbatches) if f else x
-                      for x, f in zip(jax.tree_util.tree_leaves(out), per_rank, strict=True)]
-            return ([PerRank(x[None]) if s else x for x, s in zip(leaves, stacked, strict=True)],
-                    PerRank(jax.tree_util.tree_map(lambda g: g[None], grads)))
-
-        def reduce(step, local_params, grads, outs):
-            """The ring over the ranks' gradients; the mean of their values."""
-            grads = jax.tree_util.tree_map(lambda g: g[0], grads.value)
-            state = tx.init(local_params)._replace(count=step)
-            grads, _ = skip_update(settings, grads, state, local_params, specs=specs)
-            return [lax.psum(x[0], axes) if total else
-                    _mean_over_ranks(x[0], path, axes, rows if not _under(path, state_path)
-                                     else set())
-                    for x, path, total in zip(outs.value, mean_paths, sums, strict=True)], grads
-
-        mean_at = [i for i, (v, f) in enumerate(zip(traced.out_varying, per_rank,
-                                                    strict=True)) if v and not f]
-        mean_paths = [with_paths[i][0] for i in mean_at]
-        # An aux leaf that is a sum over the batch (a count, a summed loss)
-        # is summed over the ranks; the value and other leaves averaged.
-        sums = [i > 0 and traced.out_sums[i] for i in mean_at]
-        rows = {leaf.shape[0] // (ranks * microbatches) for i in batch  # one rank's
-                for leaf in jax.tree_util.tree_leaves(args[i]) if np.ndim(leaf)}
-        param_layouts = [(s, np.ndim(x)) for s, x in zip(
-            specs, jax.tree_util.tree_leaves(params), strict=True)]
-        leaf_specs = iter(specs)  # the params' leaves in argnums' order
-        specs_at = {i: [next(leaf_specs) for _ in jax.tree_util.tree_leaves(args[i])]
-                    for i in params_at}
-
-        def arg_specs(i, a):
-            return specs_at.get(i) or [None] * len(jax.tree_util.tree_leaves(a))
-
-        consts = traced.consts
-        outs, grads = run_per_rank(
-            local, mesh, axes, [consts, *args],
-            [[None] * len(consts)] + [arg_specs(i, a) for i, a in enumerate(args)],
-            batch=[i + 1 for i in batch], manual=set(axes), api=_API, check_vma=False, retype=True,
-            layouts=[None] * len(stacked) + param_layouts)
-        outs = [x.value if s else x for x, s in zip(outs, stacked, strict=True)]
-        means, grads = run_per_rank(
-            reduce, mesh, axes, [step, params, grads, PerRank([outs[i] for i in mean_at])],
-            [[None], list(specs), [None] * len(specs), [None] * len(mean_at)],
-            batch=[], manual=set(axes), api=_API, retype=True,
-            layouts=[None] * len(mean_at) + param_layouts)
-        for i, m in zip(mean_at, means, strict=True):
-            outs[i] = m
-        for i, value in fixed.items():  # aux is stacked per micro-batch
-            outs[i] = (value if jnp.shape(value) == jnp.shape(outs[i])
-                       else jnp.broadcast_to(value, jnp.shape(outs[i])))
-        outs = [jnp.reshape(x, (-1,) + x.shape[2:]) if f else x
-                for x, f in zip(outs, per_rank, strict=True)]
-        return traced.out_tree.unflatten(outs), grads
-
+    wrapped.report = None
     return wrapped
+
+
+class _Program:
+    """The loss traced on the global arguments, and how its inputs are laid out."""
+
+    def __init__(self, flat, closed, out_tree, leaves, at, is_param, layouts, const_layouts,
+                 report):
+        self.flat = flat              # the loss, of the array leaves
+        self.closed = closed          # the jaxpr, on global (micro-batch) shapes
+        self.out_tree = out_tree
+        self.leaves = leaves          # every leaf of the arguments
+        self.at = at                  # the positions of the array leaves
+        self.is_param = is_param      # per array leaf
+        self.layouts = layouts        # per array leaf: its split dimension or None
+        self.const_layouts = const_layouts
+        self.report = report
+        self.reference = None         # jax.value_and_grad's jaxpr, for the check
+
+    @classmethod
+    def trace(cls, fun, args, params_at, given_batch, placed, axes, ranks, microbatches,
+              check):
+        leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+        owner = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+        at = [k for k, leaf in enumerate(leaves) if _is_array(leaf)]
+        is_param = [owner[k] in params_at for k in at]
+        layouts = []
+        for k, param in zip(at, is_param, strict=True):
+            leaf, i = leaves[k], owner[k]
+            spec = _shown_spec(leaf, axes) or (placed[k] if placed else None)
+            if param or (given_batch is not None and i not in given_batch) or not np.ndim(leaf):
+                layouts.append(None)
+            elif spec is not None and _split_dim(spec, axes) is not None:
+                layouts.append(_split_dim(spec, axes))
+            elif given_batch is not None or (spec is None and np.shape(leaf)[0] % ranks == 0):
+                layouts.append(0)
+            else:
+                layouts.append(None)
+        parts = ranks * microbatches
+        for k, d in zip(at, layouts, strict=True):
+            if d is not None and np.shape(leaves[k])[d] % parts:
+                raise ValueError(
+                    f"{_API}: a batch leaf of shape {np.shape(leaves[k])} splits its "
+                    f"dimension {d} over {ranks} ranks and microbatches={microbatches}: "
+                    f"pass a batch whose rows are a multiple of {parts}.")
+
+        def shape_of(leaf, d, typed):
+            shape = list(np.shape(leaf))
+            if d is not None:
+                shape[d] //= microbatches
+            sharding = getattr(jax.typeof(leaf), "sharding", None) if typed and isinstance(
+                leaf, (jax.Array, jax.core.Tracer)) else None
+            if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+                sharding = None
+            return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype, sharding=sharding,
+                                        weak_type=getattr(leaf, "weak_type", False))
+
+        def flat(*arrays):
+            full = list(leaves)
+            for k, a in zip(at, arrays, strict=True):
+                full[k] = a
+            return fun(*in_tree.unflatten(full))
+
+        def traced(typed):
+            shapes = [shape_of(leaves[k], d, typed) for k, d in zip(at, layouts, strict=True)]
+            try:
+                with tracing_markers():
+                    return jax.make_jaxpr(flat, return_shape=True)(*shapes)
+            except NameError:
+                _refuse_own_collectives(flat, shapes, axes, ranks)
+                raise
+
+        # As a plain jax.jit step sees it with no mesh set; code that sets
+        # layouts (reshard, out_sharding=) as the caller's step types it.
+        trace_mesh = jax.sharding.AbstractMesh((), ())
+        try:
+            with jax.sharding.use_abstract_mesh(trace_mesh):
+                closed, out = traced(typed=False)
+        except Exception:
+            closed, out = traced(typed=True)
+            trace_mesh = jax.sharding.get_abstract_mesh()
+        # A traced array the loss closes over (the step's batch, from a
+        # closure) is split as an argument would be: where its layout says,
+        # or where it has the split arguments' rows (any rows dividing over
+        # the ranks, if none is split).
+        rows = {np.shape(leaves[k])[d] for k, d in zip(at, layouts, strict=True) if d is not None}
+        const_layouts = []
+        for c in closed.consts:
+            spec = _shown_spec(c, axes) or _placed_spec(c)
+            if spec is not None:
+                const_layouts.append(_split_dim(spec, axes))
+            elif isinstance(c, jax.core.Tracer) and np.ndim(c) and (
+                    np.shape(c)[0] in rows if rows else np.shape(c)[0] % parts == 0):
+                const_layouts.append(0)
+            else:
+                const_layouts.append(None)
+        report = PartitionReport(axes, ranks)
+        if not any(d is not None for d in layouts + const_layouts):
+            warnings.warn(
+                f"{_API}: nothing is split over {axes}: no argument or array the loss "
+                "closes over has rows that divide over the ranks (or is laid out "
+                "split over them), so every rank computes the whole batch and holds "
+                "the same gradient; the result is exact, but skipping changes "
+                f"nothing and the work is done {ranks} times. Pass the batch as an "
+                "argument (or batch_argnums=).", NothingSkippedWarning, stacklevel=4)
+        report.trace_mesh = trace_mesh
+        program = cls(flat, closed, jax.tree_util.tree_structure(out), leaves, at, is_param,
+                   layouts, const_layouts, report)
+        if check:
+            program.reference = _reference(flat, is_param, leaves, at, trace_mesh)
+        return program
+
+
+def _reference(flat, is_param, leaves, at, trace_mesh):
+    """``jax.value_and_grad`` of the loss, traced as a jaxpr, and its inputs.
+
+    Traced here, before any per-rank program, as the loss was: JAX traces a
+    custom rule once and caches it, and a rule may close over the loss's
+    values, live only while the loss is traced.
+    """
+    vals = [leaves[k] for k in at]
+    params = [x for x, p in zip(vals, is_param, strict=True) if p]
+    others = [x for x, p in zip(vals, is_param, strict=True) if not p]
+
+    def value_and_grad(params, others):
+        def loss(params):
+            full, ps, os = [], iter(params), iter(others)
+            for p in is_param:
+                full.append(next(ps) if p else next(os))
+            out = jax.tree_util.tree_leaves(flat(*full))
+            return out[0], out
+        (_, outs), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return [*outs, *grads]
+
+    def shape(x):
+        sharding = getattr(jax.typeof(x), "sharding", None) if not trace_mesh.empty else None
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+            sharding = None
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
+                                    weak_type=getattr(x, "weak_type", False))
+
+    with jax.sharding.use_abstract_mesh(trace_mesh), tracing_markers():
+        reference = jax.make_jaxpr(value_and_grad)(*jax.tree_util.tree_map(shape, (params, others)))
+    return reference, [*params, *others]
+
+
+def _refuse_own_collectives(flat, shapes, axes, ranks):
+    """Refuses a loss that reduces over the data axes itself (it traces with them bound)."""
+    try:
+        with tracing_markers():
+            jax.make_jaxpr(flat, axis_env=[(a, ranks) for a in axes])(*shapes)
+    except NameError:
+        return  # another name is unbound: the user's own error
+    raise ValueError(
+        f"{_API}: the loss reduces over the data axes {list(axes)} itself (a "
+        "collective naming them: lax.pmean or psum, flax BatchNorm(axis_name=...)). "
+        "Written for the global batch, as for jax.value_and_grad, it needs none: a "
+        "mean or a batch statistic is already over the whole batch. Drop the "
+        "axis_name (or the collective).") from None
+
+
+def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microbatches):
+    """The partitioned loss per rank (its own gradients), then the ring."""
+    closed, report = program.closed, program.report
+    consts = list(closed.consts)
+    passed = [i for i, c in enumerate(consts) if isinstance(c, (jax.Array, jax.core.Tracer))]
+    leaves = [program.leaves[k] for k in program.at]
+    params = [x for x, p in zip(leaves, program.is_param, strict=True) if p]
+    others = [x for x, p in zip(leaves, program.is_param, strict=True) if not p]
+    layouts = program.layouts
+    other_layouts = [d for d, p in zip(layouts, program.is_param, strict=True) if not p]
+    const_layouts = [program.const_layouts[i] for i in passed]
+    found: dict[str, list[Any]] = {}
+
+    def spec(d):
+        return P() if d is None else P(*([None] * d), axes)
+
+    def unpack(flat):
+        n, m = len(params), len(others)
+        local_params, local_others, local_consts = flat[:n], flat[n:n + m], flat[n + m:]
+        full_consts = list(consts)
+        for i, c in zip(passed, local_consts, strict=True):
+            full_consts[i] = c
+        return local_params, local_others, full_consts
+
+    def forward(param_vals, other_vals, full_consts):
+        vals, ps, os = [], iter(param_vals), iter(other_vals)
+        for p in program.is_param:
+            vals.append(next(ps) if p else next(os))
+        report.gathered.clear()
+        outs, out_layouts = evaluate(closed.jaxpr, full_consts, vals, layouts, report,
+                                     program.const_layouts)
+        # An output the jaxpr holds as a literal (a count from the shapes): an array.
+        outs = [jnp.asarray(x, v.aval.dtype) for x, v in zip(outs, closed.jaxpr.outvars,
+                                                              strict=True)]
+        found["layouts"] = out_layouts
+        return outs
+
+    def probe(step, *flat):
+        local_params, local_others, full_consts = unpack(flat)
+        forward(local_params, _micro_slice(local_others, other_layouts, microbatches, 0),
+                full_consts)
+        return ()
+
+    def body(step, *flat):
+        local_params, local_others, full_consts = unpack(flat)
+        varying_params = [varying(x, report) for x in local_params]
+
+        def objective(pv, micro_others):
+            # A loss typed invariant is differentiated as it is: each rank's
+            # gradient is its share. One that varies (it holds values every
+            # rank computed whole) counts 1/N on each.
+            outs = forward(pv, micro_others, full_consts)
+            loss = outs[0]
+            return (loss / ranks if set(axes) & varying_axes(loss) else loss), outs
+
+        grad = jax.value_and_grad(objective, has_aux=True)
+        if microbatches == 1:
+            (_, outs), g = grad(varying_params, local_others)
+        else:
+            def one(total, j):
+                (_, outs), g = grad(varying_params, _micro_slice(
+                    local_others, other_layouts, microbatches, j))
+                return jax.tree_util.tree_map(jnp.add, total, g), outs
+
+            (_, first), g = grad(varying_params, _micro_slice(
+                local_others, other_layouts, microbatches, 0))
+            g, rest = lax.scan(one, g, jnp.arange(1, microbatches))
+            outs = [jnp.concatenate([x[None], r]) for x, r in zip(first, rest, strict=True)]
+            g = [x / microbatches for x in g]
+            outs[0] = jnp.mean(outs[0], axis=0)
+        outs = [settled(x, report) if d is None or (microbatches > 1 and i == 0) else x
+                for i, (x, d) in enumerate(zip(outs, found["layouts"], strict=True))]
+        local_tree = jax.tree_util.tree_unflatten(treedef, local_params)
+        grads = jax.tree_util.tree_unflatten(treedef, [x * ranks for x in g])
+        state = tx.init(local_tree)._replace(count=step)
+        grads, _ = skip_update(settings, grads, state, local_tree, specs=specs)
+        return outs, jax.tree_util.tree_leaves(grads)
+
+    flat = [*params, *others, *[consts[i] for i in passed]]
+    in_specs = (P(), *[P()] * len(params), *map(spec, other_layouts), *map(spec, const_layouts))
+    jax.eval_shape(_mapped(probe, mesh, axes, in_specs, (), ()), step, *flat)
+    out_layouts = found["layouts"]
+    if microbatches > 1:  # aux stacked per micro-batch (the value is their mean)
+        out_layouts = [None] + [None if d is None else d + 1 for d in out_layouts[1:]]
+    out_specs = ([spec(d) for d in out_layouts], [P()] * len(params))
+    full = ([spec(d) for d in out_layouts],
+            [s if s is not None else P() for s in specs])
+    outs, grads = _mapped(body, mesh, axes, in_specs, out_specs, full)(step, *flat)
+    compiler = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if a not in axes and t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
+    if compiler and isinstance(mesh, jax.sharding.Mesh):
+        grads = [g if s is None else lax.with_sharding_constraint(g, NamedSharding(mesh, s))
+                 for g, s in zip(grads, specs, strict=True)]
+    return outs, grads
+
+
+def _check_first_step(program, outs, grads, step, mesh, treedef, exact_run):
+    """At step 0: the exact step's leaves against ``jax.value_and_grad``'s; raises naming one.
+
+    ``outs``, ``grads``: the step's own flat results, used where the step is
+    itself exact; ``exact_run()`` builds its ``num_skip=0`` twin otherwise.
+    """
+    names = ([f"value{jax.tree_util.keystr(path)}" for path, _ in
+              jax.tree_util.tree_flatten_with_path(program.out_tree.unflatten(
+                  range(program.out_tree.num_leaves)))[0]]
+             + [f"grads{jax.tree_util.keystr(path)}" for path, _ in
+                jax.tree_util.tree_flatten_with_path(treedef.unflatten(
+                    range(treedef.num_leaves)))[0]])
+    names[0] = "the value" if program.out_tree.num_leaves == 1 else "the value (loss)"
+    reference, inputs = program.reference
+
+    def compare(_):
+        mine_outs, mine_grads = (outs, grads) if exact_run is None else exact_run()
+        explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                         if t == jax.sharding.AxisType.Explicit)
+        fn = functools.partial(jax.core.eval_jaxpr, reference.jaxpr)
+        if explicit and program.report.trace_mesh.empty:  # traced as plain jit code
+            fn = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=P())
+        ref = fn(list(reference.consts), *inputs)
+        mine = [*mine_outs, *mine_grads]
+        bad = jnp.stack([_differs(a, b) for a, b in zip(mine, ref, strict=True)])
+        # A callback with a result the value adds: NaN on a mismatch.
+        return io_callback(functools.partial(_report_mismatch, names, outs[0].dtype),
+                           jax.ShapeDtypeStruct((), outs[0].dtype), bad)
+
+    zero = lax.cond(step == 0, compare, lambda _: jnp.zeros((), outs[0].dtype), None)
+    outs[0] = outs[0] + zero
+
+
+def _differs(mine: jax.Array, ref: jax.Array) -> jax.Array:
+    """Whether two leaves differ beyond the rounding of a reordered sum."""
+    mine, ref = jnp.asarray(mine), jnp.asarray(ref)
+    if not jnp.issubdtype(ref.dtype, jnp.inexact):
+        return jnp.any(mine != ref)
+    mine, ref = mine.astype(jnp.float32), ref.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(ref), initial=0.0)
+    tol = 1e-3 * scale + 1e-5 if ref.dtype == jnp.float32 else 2e-2 * scale + 1e-3
+    same_nan = jnp.isnan(mine) == jnp.isnan(ref)
+    close = jnp.where(jnp.isnan(ref), True, jnp.abs(mine - ref) <= tol)
+    return ~jnp.all(same_nan & close)
+
+
+def _report_mismatch(names: list[str], dtype: Any, bad: Any) -> np.ndarray:
+    """On the host: a message naming the first leaf flagged in ``bad``, and NaN.
+
+    Nothing is raised: the callback runs on one device while the others wait
+    in the step's collectives. The value the step returns adds the result,
+    so a mismatch makes it NaN, and the message says why.
+    """
+    bad = np.asarray(bad)
+    if not bad.any():
+        return np.zeros((), dtype)
+    print(f"{_API}: the first-step check found {names[int(np.argmax(bad))]} different "
+          f"from jax.value_and_grad of the global loss at num_skip=0 ({int(bad.sum())} of "
+          f"{bad.size} leaves differ); the step's value is NaN. The loss holds an "
+          "operation the partitioning of the data axis computes wrongly: please report "
+          "it, with the loss. value_and_grad(..., check=False) turns the check off.",
+          file=sys.stderr, flush=True)
+    return np.full((), np.nan, dtype)
+
+
+def _mapped(fn, mesh, axes, in_specs, out_specs, out_shardings):
+    """``jax.shard_map`` manual over ``axes``; Explicit axes go Auto around it."""
+    kwargs = dict(in_specs=in_specs, out_specs=out_specs, axis_names=set(axes),
+                  check_vma=True)
+    explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                     if t == jax.sharding.AxisType.Explicit)
+    if not explicit:
+        return jax.shard_map(fn, mesh=mesh, **kwargs)
+
+    def inner(*a):
+        return jax.shard_map(fn, **kwargs)(*a)
+
+    return jax.sharding.auto_axes(inner, axes=explicit, out_sharding=out_shardings)
+
+
+def _micro_slice(vals, layouts, microbatches, j):
+    """Micro-batch ``j`` of each rank's rows: row ``i`` where ``i % microbatches == j``."""
+    if microbatches == 1:
+        return vals
+    out = []
+    for x, d in zip(vals, layouts, strict=True):
+        if d is None:
+            out.append(x)
+            continue
+        shape = x.shape[:d] + (x.shape[d] // microbatches, microbatches) + x.shape[d + 1:]
+        out.append(lax.dynamic_index_in_dim(jnp.reshape(x, shape), j, axis=d + 1,
+                                            keepdims=False))
+    return out
+
+
+def _accumulated(grad, args, params_at, given_batch, microbatches, has_aux):
+    batch = (tuple(i for i in range(len(args)) if i not in params_at)
+             if given_batch is None else given_batch)
+    return accumulate(grad, args, batch, microbatches, has_aux=has_aux)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _split_dim(spec: P, axes: tuple[str, ...]) -> int | None:
+    """The dimension ``spec`` splits over the data ``axes`` first (None: none)."""
+    for d, entry in enumerate(spec):
+        names = tuple(entry) if isinstance(entry, tuple) else (entry,) if entry else ()
+        if names[:len(axes)] == axes:
+            return d
+    return None
+
+
+def _shown_spec(leaf: Any, axes: tuple[str, ...]) -> P | None:
+    """``leaf``'s layout as its type shows it, where the data axes are Explicit."""
+    if not isinstance(leaf, (jax.Array, jax.core.Tracer)):
+        return None
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
+    if any(types.get(a) != jax.sharding.AxisType.Explicit for a in axes):
+        return None
+    return P(*getattr(sharding.spec, "partitions", sharding.spec))
+
+
+def _placed_spec(leaf: Any) -> P | None:
+    """A placed array's spec (read outside jit, where it is still known)."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding.spec if isinstance(leaf, jax.Array) and isinstance(
+        sharding, NamedSharding) else None
 
 
 def _resolve_mesh(mesh: Any) -> Any:
@@ -444,76 +701,6 @@ def _axis_of_batch(batch: Sequence[Any], mesh: Any) -> str:
         "axis over slow links).")
 
 
-def _warn_global_divisor(traced: Any, rows: set[int], ranks: int) -> None:
-    """Warns of a loss divided by the global batch's rows (``/ 64.0``).
-
-    The loss runs on each rank's rows and the value is their mean over
-    ranks: a rank's sum divided by the global row count comes back 1/N of
-    ``jax.value_and_grad``'s, gradients too.
-    """
-    d = divisor(traced, 0)
-    if d is None or not any(d == r for r in rows) or any(d == r // ranks for r in rows):
-        return
-    warnings.warn(
-        f"{_API}: the loss is divided by {d:g}, the global batch's rows, but it runs "
-        f"on each rank's {int(d) // ranks} rows and comes back as the mean over "
-        f"ranks: its value and gradients would be 1/{ranks} of jax.value_and_grad's. "
-        f"Divide by skipreduce_jax.mean_count({d:g}) (exact), or use jnp.mean.",
-        GlobalDivisorWarning, stacklevel=4)
-
-
-def _warn_nothing_split(consts: Sequence[Any], ranks: int, axes: tuple[str, ...]) -> None:
-    """Warns of a loss with nothing to split: no batch argument, no batch closed over."""
-    host = [tuple(c.shape) for c in consts
-            if isinstance(c, np.ndarray) and c.ndim and c.shape[0] % ranks == 0]
-    hint = (f" It closes over host arrays of shapes {host}: if one is the batch, "
-            f"pass it as an argument, or place it with its rows split over {axes} "
-            "(jax.device_put(x, NamedSharding(mesh, P(axis))))." if host else "")
-    warnings.warn(
-        f"{_API}: nothing is split over {axes}: fun takes no batch argument and "
-        "closes over no traced or placed batch, so every rank computes the same "
-        "loss on the same data and holds the same gradient; skipping changes "
-        f"nothing and the work is done {ranks} times.{hint}",
-        NothingSkippedWarning, stacklevel=4)
-
-
-class GlobalDivisorWarning(UserWarning):
-    """A loss divided by the global batch's size where it runs per rank."""
-
-
-def _closed_over_batch(consts: Sequence[Any], rows: set[int], axes: tuple[str, ...],
-                       ranks: int, jaxpr: Any = None) -> list[Any]:
-    """The arrays ``fun`` closes over that are its batch.
-
-    With batch arguments (``rows``, their leading dimensions): those whose
-    layout shows their rows split over the data axes (a placed array, an
-    Explicit type); another with the batch's leading dimension is refused
-    later, not split on a guess. With none: every closed-over traced (or
-    placed) array whose leading dimension divides by the ranks, if they
-    share one leading dimension and none is indexed into (a table, not
-    rows); else refused.
-    """
-    closed = [c for c in consts if np.ndim(c) and (
-        isinstance(c, jax.core.Tracer) or _shown_split(c, axes))]
-    if rows:
-        return [c for c in closed if c.shape[0] in rows and _shown_split(c, axes)]
-    closed = [c for c in closed if c.shape[0] % ranks == 0]
-    indexed = _indexed(jaxpr, consts) if jaxpr is not None else set()
-    tables = [c for c in closed if id(c) in indexed]
-    if tables:
-        raise ValueError(_CLOSED_OVER.format(
-            what="arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
-            why=f"the one of shape {tuple(tables[0].shape)} is indexed into (a table, "
-                "not rows of the batch), so which of them are the batch is not "
-                "guessed: taken whole"))
-    if len({c.shape[0] for c in closed}) > 1:
-        raise ValueError(_CLOSED_OVER.format(
-            what="arrays of shapes " + ", ".join(str(tuple(c.shape)) for c in closed),
-            why="with no batch argument whose leading dimension tells which of them "
-                "are the batch, none is split: taken whole"))
-    return closed
-
-
 def _shown_split(x: Any, axes: tuple[str, ...]) -> bool:
     """Does ``x``'s layout (placed, or an Explicit type) split its rows over ``axes``?"""
     sharding = getattr(x, "sharding", None)
@@ -521,52 +708,6 @@ def _shown_split(x: Any, axes: tuple[str, ...]) -> bool:
             else _type_spec(x))
     return bool(spec is not None and len(spec)
                 and set(_shards.spec_axes(P(spec[0]))) & set(axes))
-
-
-def _indexed(jaxpr: Any, consts: Sequence[Any]) -> set[int]:
-    """The ids of ``consts`` a gather or dynamic slice of ``jaxpr`` indexes into."""
-    of = {v: id(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
-    found = set()
-
-    def visit(jaxpr, names):
-        for eqn in jaxpr.eqns:
-            ins = [None if isinstance(v, Literal) else v for v in eqn.invars]
-            if eqn.primitive.name in ("gather", "dynamic_slice") and ins[0] in names:
-                found.add(names[eqn.invars[0]])
-            for sub in jax.tree_util.tree_leaves(
-                    list(eqn.params.values()),
-                    is_leaf=lambda x: hasattr(x, "jaxpr") or hasattr(x, "eqns")):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
-                    visit(inner, {w: names[v] for v, w in zip(ins, inner.invars)
-                                  if v is not None and v in names})
-
-    visit(jaxpr, of)
-    return found
-
-
-def _refuse_closed_over_batch(consts: Sequence[Any], rows: set[int]) -> None:
-    """Refuses a batch the loss still closes over (its traced ``consts``).
-
-    What :func:`with_args` could not reach (a global, an object's
-    attribute) reaches every rank whole: each rank would compute the whole
-    batch and hold the same gradient. ``rows``: the global batch's leading
-    dimensions (empty: no batch argument).
-    """
-    closed = [c for c in consts if isinstance(c, jax.core.Tracer)]
-    for leaf in closed:
-        if not np.ndim(leaf) or (rows and leaf.shape[0] not in rows):
-            continue
-        raise ValueError(_CLOSED_OVER.format(
-            what=f"a traced array of shape {tuple(leaf.shape)}"
-            + (" with the batch's leading dimension" if rows else ""),
-            why=_OUT_OF_REACH))
-
-
-def _closing_over(fun: Callable[..., Any], arrays: list[Any]) -> Callable[..., Any]:
-    """``fun`` taking the ``arrays`` it closes over as two last arguments."""
-    g = with_args(fun, arrays)
-    return lambda *a: g(*a[:-2], (*a[-2], *a[-1]))
 
 
 def _type_spec(x: Any) -> P | None:
@@ -577,52 +718,6 @@ def _type_spec(x: Any) -> P | None:
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
         return None
     return P(*getattr(sharding.spec, "partitions", sharding.spec))
-
-
-def _rows_in_order(x: jax.Array, microbatches: int) -> jax.Array:
-    """A PerRank leaf, stacked per micro-batch, as the rank's rows in order.
-
-    Micro-batch ``j`` holds the rank's rows ``i`` with ``i % microbatches ==
-    j`` (see ``_micro``): ``(k, rows / k, ...)`` back to ``(rows, ...)``.
-    """
-    if microbatches == 1:
-        return x
-    return jnp.reshape(jnp.moveaxis(x, 0, 1), (-1,) + x.shape[2:])
-
-
-def _under(path: Any, prefix: tuple[int, ...]) -> bool:
-    """Is key ``path`` under the sequence indices ``prefix``?"""
-    return bool(prefix) and tuple(getattr(k, "idx", None)
-                                  for k in path[:len(prefix)]) == prefix
-
-
-def _where(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "the root"
-
-
-def _mean_over_ranks(leaf: Any, path: Any, axes: tuple[str, ...],
-                     rows: set[int]) -> Any:
-    """One value or aux leaf that differs per rank: its mean over ranks.
-
-    A leaf whose leading dimension is that of a rank's batch looks per
-    example (logits, per-token losses): its mean over ranks mixes the rows
-    of different examples, so it is averaged with a warning naming PerRank.
-    """
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-        raise ValueError(
-            f"{_API}: the aux output at {_where(path)} ({leaf.dtype}) differs "
-            "per rank and is not a float, so it has no mean over ranks. Return "
-            "it as a float, or per rank, wrapped in skipreduce_jax.PerRank(x) "
-            "(rows of every rank concatenated).")
-    if np.ndim(leaf) and leaf.shape[0] in rows:
-        warnings.warn(
-            f"{_API}: the aux output at {_where(path)} of local shape "
-            f"{leaf.shape} has a row per example of this rank's batch; it "
-            "comes back as the mean over ranks of those rows, not one row "
-            "per example. For every rank's rows (global batch order) "
-            "return skipreduce_jax.PerRank(x); for a mean, reduce it in "
-            "the loss (e.g. jnp.mean(x)).", stacklevel=5)
-    return lax.pmean(leaf, axes)
 
 
 def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,

@@ -139,7 +139,7 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
         for i in at]
 
     def traced_under(context, **kwargs):
-        with jax.sharding.use_abstract_mesh(context), _tracing():
+        with jax.sharding.use_abstract_mesh(context), tracing_markers():
             return jax.make_jaxpr(flat, return_shape=True, **kwargs)(*shapes)
 
     try:
@@ -189,7 +189,7 @@ def constants(traced: Traced, outputs: Sequence[int]) -> list[Any]:
 
 def closed_over(fun: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
     """The arrays ``fun`` closes over, traced on the caller's ``args`` as its jit has them."""
-    with _tracing():
+    with tracing_markers():
         return list(jax.make_jaxpr(fun)(*args).consts)
 
 
@@ -331,7 +331,7 @@ def divisor(traced: Traced, i: int) -> float | None:
 
 
 @contextlib.contextmanager
-def _tracing() -> Iterator[None]:
+def tracing_markers() -> Iterator[None]:
     token = _TRACING.set(True)
     try:
         yield

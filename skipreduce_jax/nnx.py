@@ -192,7 +192,7 @@ def value_and_grad(
             batch_argnums=batch, param_specs=param_specs, microbatches=1,
             config=config, skip_options=skip_options,
             describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
-            state_path=(1, 1))(params, others, *args)
+            )(params, others, *args)
 
     return _on_model(loss_fn, wrt, axes, has_aux, rank_rngs, differentiate)
 

@@ -92,7 +92,8 @@ def test_bytes_over_replica_are_the_formula_and_nothing_extra_crosses_fsdp():
     batch = next(pjit_lm.padded_batches(_data(), config, mesh.size * config.batch_per_device))
     replica, other = {}, {}
     for variant in pjit_lm.VARIANTS:
-        step = pjit_lm.compile_step(variant, config, mesh, shardings)
+        # check=False: the step-0 check's branch is in the program, run once.
+        step = pjit_lm.compile_step(variant, config, mesh, shardings, check=False)
         text = step.lower(state, batch).compile().as_text()
         replica[variant], other[variant] = _by_axis(text, mesh)
     n = mesh.shape["replica"]
@@ -101,7 +102,7 @@ def test_bytes_over_replica_are_the_formula_and_nothing_extra_crosses_fsdp():
         state.params, shardings.params)
     stats = sr.comm_stats(shards, n, **config.skip_options)
     assert stats.num_skip == 2 and stats.ratio < 0.7
-    value_bytes = 3 * 2 * (n - 1) / n * 4   # pmeans of the loss, accuracy, token count
+    value_bytes = 3 * 2 * (n - 1) / n * 4   # psums of the loss, accuracy and token count
     assert replica["skipreduce"] == pytest.approx(stats.bytes_per_device + value_bytes)
     # Over fsdp: the model's own gathers and reductions, no more than XLA's step.
     assert other["skipreduce"] <= other["plain"]
@@ -114,17 +115,17 @@ def _body(function):
     return source.splitlines()[node.body[1].lineno - 1:node.end_lineno]
 
 
-def test_the_skipreduce_step_differs_in_at_most_five_lines():
+def test_the_skipreduce_step_differs_in_at_most_three_lines():
     plain, adopted = _body(pjit_lm.plain_step), _body(pjit_lm.skipreduce_step)
     changed = [line for line in difflib.unified_diff(plain, adopted, lineterm="", n=0)
                if line[:1] in "+-" and line[:3] not in ("+++", "---")]
-    added = [line for line in changed if line[0] == "+"]
     # The file imports skipreduce_jax for both steps; an adopter adds that line.
     assert "import skipreduce_jax as sr" in inspect.getsource(pjit_lm)
-    assert len(added) + 1 <= 5, changed
-    assert any("sr.value_and_grad(" in line for line in added), added
+    assert len(changed) + 1 <= 3, changed
+    assert any("sr.value_and_grad(" in line for line in changed), changed
     # The mesh layout is the mesh's, not the step's: the same step serves both.
     assert "hsdp" not in "\n".join(plain + adopted)
+    assert "mean_count" not in "\n".join(adopted) and "dropout" in "\n".join(adopted)
 
 
 def test_readme_shows_the_diff_as_it_is():

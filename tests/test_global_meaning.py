@@ -1,0 +1,417 @@
+"""A loss means under ``sr.value_and_grad`` what it means under ``jax.jit``.
+
+Each loss below is written for the global batch, as for
+``jax.value_and_grad``, with none of the library's helpers (``mean_count``,
+``PerRank``, ``rank_key``). At ``num_skip=0`` the value, every aux leaf and
+every gradient equal ``jax.value_and_grad``'s on the global arrays (plain
+``jax.jit``, no mesh), on a mesh of Auto axes and one of Explicit axes; with
+skipping on, the same loss runs, the replicas agree bit for bit and the
+gradients change. Cases that crossed rows per rank before (sums, masked
+means, batch statistics, maxima, dropout masks, in-batch negatives, top-k,
+custom_vjp rules, callbacks) are each here.
+"""
+
+import functools
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import skipreduce_jax as sr
+
+N, B, D, H, C = 8, 64, 12, 16, 10
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(B, D)).astype(np.float32)
+LABELS = RNG.integers(0, C, size=B).astype(np.int32)
+MASK = (np.arange(B) < 40).astype(np.float32)  # the last three ranks: all padding
+PARAMS = {"w": (RNG.normal(size=(D, H)) * 0.3).astype(np.float32),
+          "b": np.zeros(H, np.float32),
+          "v": (RNG.normal(size=(H, C)) * 0.3).astype(np.float32)}
+CLASS_WEIGHTS = RNG.uniform(0.5, 2.0, size=C).astype(np.float32)
+SCALE = RNG.uniform(0.5, 1.5, size=B).astype(np.float32)  # closed over; B rows, not the batch
+KEY = jax.random.key(7)
+
+
+def _hidden(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _xent(p, x, y):
+    logits = _hidden(p, x) @ p["v"]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)[:, 0]
+
+
+def _sum(p, x, y):
+    return jnp.sum((x @ p["w"] - 1.0) ** 2)
+
+
+def _masked_mean(p, x, y, m):
+    err = _xent(p, x, y)
+    return jnp.sum(m * err) / jnp.sum(m)
+
+
+def _divided_plus_decay(p, x, y):
+    return jnp.sum(_xent(p, x, y)) / 64.0 + 1e-3 * jnp.sum(p["w"] ** 2)
+
+
+def _halved(p, x, y):
+    return 0.5 * (jnp.sum(_xent(p, x, y)) / 64.0) + jnp.sum(_xent(p, x, y)) / (2 * 64.0)
+
+
+def _variance(p, x, y):
+    return jnp.var(x @ p["w"])
+
+
+def _standardized_target(p, x, y):
+    t = y.astype(jnp.float32)
+    t = (t - t.mean()) / t.std()
+    return jnp.mean((_hidden(p, x) @ p["v"][:, 0] - t) ** 2)
+
+
+def _aux_statistics(p, x, y):
+    err = _xent(p, x, y)
+    h = _hidden(p, x)
+    return jnp.mean(err), {"max": jnp.max(err), "vdot": jnp.vdot(h, h),
+                           "median": jnp.median(err), "rows": err,
+                           "flat_sum": jnp.sum(h.reshape(-1)),
+                           "count": jnp.count_nonzero(err > 2.0).astype(jnp.float32),
+                           "int_count": jnp.sum(err > 2.0),
+                           "jit_count": jax.jit(lambda e: jnp.sum(e > 1.0))(err)}
+
+
+def _class_weighted(p, x, y, cw):
+    return jnp.mean(cw[y] * _xent(p, x, y))
+
+
+def _closed_over_scale(p, x, y):
+    return jnp.mean(SCALE * _xent(p, x, y))
+
+
+def _dropout_passed(p, x, y, key):
+    h = _hidden(p, x)
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    h = jnp.where(keep, h / 0.9, 0.0)
+    loss = jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(h @ p["v"]), y[:, None], 1))
+    return loss, keep
+
+
+def _dropout_closed_over(p, x, y):
+    return _dropout_passed(p, x, y, KEY)
+
+
+def _batch_normalized(p, x, y):
+    h = x @ p["w"]
+    h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(jax.nn.relu(h) @ p["v"]),
+                                         y[:, None], 1))
+
+
+class _BN(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        x = linen.Dense(H)(x)
+        x = linen.BatchNorm(use_running_average=False)(x)
+        return linen.Dense(C)(jax.nn.relu(x))
+
+
+_BN_VARS = _BN().init(jax.random.key(0), X)
+
+
+def _flax_batchnorm(p, x, y):
+    logits, updates = _BN().apply({"params": p, "batch_stats": _BN_VARS["batch_stats"]},
+                                  x, mutable=["batch_stats"])
+    loss = jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    return loss, updates["batch_stats"]
+
+
+def _info_nce(p, x, y):
+    z = _hidden(p, x)
+    z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+    logits = z @ z.T / 0.1
+    return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits, axis=1)))
+
+
+def _hard_mining(p, x, y):
+    values, _ = lax.top_k(_xent(p, x, y), 16)
+    return jnp.mean(values)
+
+
+def _argsort_weighted(p, x, y):
+    err = _xent(p, x, y)
+    rank = jnp.argsort(jnp.argsort(lax.stop_gradient(err)))
+    return jnp.mean(err * (1.0 + rank / B))
+
+
+def _cond_on_batch_mean(p, x, y):
+    err = _xent(p, x, y)
+    return lax.cond(jnp.mean(err) > 2.0, lambda e: jnp.mean(e ** 2), lambda e: jnp.mean(e), err)
+
+
+def _graph_pooling(p, x, y):
+    graph = jnp.arange(B) // 5  # graphs of 5 nodes: they span ranks
+    pooled = jax.ops.segment_sum(_hidden(p, x), graph, num_segments=13)
+    return jnp.mean((pooled @ p["v"]) ** 2)
+
+
+def _halves(p, x, y):
+    h = _hidden(p, x)
+    return jnp.mean((h[: B // 2] - h[B // 2:]) ** 2)
+
+
+@jax.custom_vjp
+def _clip_gradient(x):
+    return x
+
+
+_clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+
+
+def _custom_vjp_clip(p, x, y):
+    return jnp.mean(_clip_gradient(_hidden(p, x)) ** 2) + jnp.mean(_xent(p, x, y))
+
+
+def _relu_at_zero(p, x, y):
+    # Padding rows are zeros and the bias is zero: relu's custom rule at 0.
+    x = x * MASK[:, None]
+    return jnp.mean(jax.nn.relu(x @ p["w"] + p["b"]) @ p["v"])
+
+
+def _debug_print(p, x, y):
+    loss = jnp.mean(_xent(p, x, y))
+    jax.debug.print("loss {}", loss)
+    jax.debug.callback(lambda v: None, _xent(p, x, y))
+    return loss
+
+
+def _time_major(p, x, y):
+    # x: (T, B, 4), B split over "data" (dimension 1); an RNN over T.
+    def step(h, xt):
+        h = jnp.tanh(xt @ p["w"][:4] + h @ (p["w"].T @ p["w"]) * 0.1)
+        return h, jnp.sum(h, axis=1)
+    h, ys = lax.scan(step, jnp.zeros((x.shape[1], H)), x)
+    return jnp.mean(h ** 2) + jnp.mean(ys)
+
+
+# name: (loss, extra arguments after (params, x, y), has_aux)
+CASES = {
+    "sum": (_sum, (), False),
+    "masked_mean": (_masked_mean, (MASK,), False),
+    "divided_plus_decay": (_divided_plus_decay, (), False),
+    "halved": (_halved, (), False),
+    "variance": (_variance, (), False),
+    "standardized_target": (_standardized_target, (), False),
+    "aux_statistics": (_aux_statistics, (), True),
+    "class_weighted": (_class_weighted, (CLASS_WEIGHTS,), False),
+    "closed_over_scale": (_closed_over_scale, (), False),
+    "dropout_passed": (_dropout_passed, (KEY,), True),
+    "dropout_closed_over": (_dropout_closed_over, (), True),
+    "batch_normalized": (_batch_normalized, (), False),
+    "info_nce": (_info_nce, (), False),
+    "hard_mining": (_hard_mining, (), False),
+    "argsort_weighted": (_argsort_weighted, (), False),
+    "cond_on_batch_mean": (_cond_on_batch_mean, (), False),
+    "graph_pooling": (_graph_pooling, (), False),
+    "halves": (_halves, (), False),
+    "custom_vjp_clip": (_custom_vjp_clip, (), False),
+    "relu_at_zero": (_relu_at_zero, (), False),
+    "debug_print": (_debug_print, (), False),
+}
+
+
+def _mesh(kind):
+    return jax.make_mesh((N,), ("data",), axis_types=(kind,))
+
+
+def _placed(mesh, x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _params(name):
+    if name == "flax_batchnorm":
+        return jax.tree_util.tree_map(np.asarray, _BN_VARS["params"])
+    return PARAMS
+
+
+def _run(loss, mesh, params, batch, extra, has_aux, **options):
+    options.setdefault("min_size", 0)
+    options.setdefault("num_skip", 0)
+
+    def step(p, x, y, *extra):
+        grad_fn = sr.value_and_grad(loss, mesh, "data", step=3, has_aux=has_aux, **options)
+        return grad_fn(p, x, y, *extra)
+
+    with jax.set_mesh(mesh):
+        params = _placed(mesh, params, P())
+        x, y = (_placed(mesh, a, P("data")) for a in batch)
+        return jax.jit(step)(params, x, y, *extra)
+
+
+def _assert_close(got, want, what):
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                            jax.tree_util.tree_leaves(want), strict=True):
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        assert np.shape(g) == np.shape(w), where
+        if np.issubdtype(np.asarray(w).dtype, np.inexact):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=where)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=where)
+
+
+CASES["flax_batchnorm"] = (_flax_batchnorm, (), True)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_num_skip_zero_is_jax_value_and_grad(name, kind):
+    loss, extra, has_aux = CASES[name]
+    params = _params(name)
+    want_out, want_grads = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(
+        params, X, LABELS, *extra)
+    out, grads = _run(loss, _mesh(kind), params, (X, LABELS), extra, has_aux)
+    _assert_close(out, want_out, "value")
+    _assert_close(grads, want_grads, "grads")
+
+
+@pytest.mark.parametrize("name", ["masked_mean", "info_nce", "dropout_passed",
+                                  "custom_vjp_clip", "graph_pooling", "flax_batchnorm"])
+def test_with_skipping_the_replicas_agree_and_the_grads_change(name):
+    loss, extra, has_aux = CASES[name]
+    mesh = _mesh(AxisType.Explicit)
+    params = _params(name)
+    (out, exact), (skipped_out, skipped) = (
+        _run(loss, mesh, params, (X, LABELS), extra, has_aux, num_skip=k) for k in (0, 4))
+    _assert_close(skipped_out, out, "value")  # the forward pass is the same
+    sr.assert_replicated(skipped, mesh)
+    assert any(not np.allclose(a, b) for a, b in zip(
+        jax.tree_util.tree_leaves(skipped), jax.tree_util.tree_leaves(exact)))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_dropout_masks_are_jax_jits_row_by_row(kind):
+    (_, keep), _ = _run(_dropout_passed, _mesh(kind), PARAMS, (X, LABELS), (KEY,), True)
+    (_, want), _ = jax.jit(jax.value_and_grad(_dropout_passed, has_aux=True))(
+        PARAMS, X, LABELS, KEY)
+    np.testing.assert_array_equal(keep, want)
+    assert len({np.asarray(r).tobytes() for r in np.split(np.asarray(keep), N)}) == N
+
+
+def test_time_major_batch_split_along_its_layout():
+    mesh = _mesh(AxisType.Explicit)
+    xs = RNG.normal(size=(5, B, 4)).astype(np.float32)
+    want, want_grads = jax.jit(jax.value_and_grad(_time_major))(PARAMS, xs, LABELS)
+    with jax.set_mesh(mesh):
+        grad_fn = jax.jit(lambda p, x, y: sr.value_and_grad(
+            _time_major, mesh, "data", step=0, num_skip=0, min_size=0)(p, x, y))
+        got, grads = grad_fn(_placed(mesh, PARAMS, P()), _placed(mesh, xs, P(None, "data")),
+                             _placed(mesh, LABELS, P("data")))
+    _assert_close(got, want, "value")
+    _assert_close(grads, want_grads, "grads")
+
+
+def test_what_is_gathered_is_reported():
+    mesh = _mesh(AxisType.Explicit)
+    grad_fn = sr.value_and_grad(_info_nce, mesh, "data", step=0, num_skip=0, min_size=0)
+    with jax.set_mesh(mesh):
+        jax.jit(lambda p, x, y: grad_fn(p, x, y))(
+            _placed(mesh, PARAMS, P()), _placed(mesh, X, P("data")),
+            _placed(mesh, LABELS, P("data")))
+    assert grad_fn.report.gathered.get("dot_general") == B * H  # z gathered for z @ z.T
+    grad_fn = sr.value_and_grad(_masked_mean, mesh, "data", step=0, num_skip=0, min_size=0)
+    with jax.set_mesh(mesh):
+        jax.jit(lambda p, x, y, m: grad_fn(p, x, y, m))(
+            _placed(mesh, PARAMS, P()), _placed(mesh, X, P("data")),
+            _placed(mesh, LABELS, P("data")), MASK)
+    assert grad_fn.report.gathered == {}  # sums and means: a psum each, nothing gathered
+
+
+def test_a_loss_that_reduces_over_the_data_axis_itself_is_refused_by_name():
+    def loss(p, x, y):
+        return jnp.mean(lax.pmean(x @ p["w"], "data"))
+
+    mesh = _mesh(AxisType.Explicit)
+    with pytest.raises(ValueError, match=r"reduces over the data axes \['data'\] itself"):
+        _run(loss, mesh, PARAMS, (X, LABELS), (), False)
+
+
+def test_mean_count_and_rank_key_are_not_needed_but_still_work():
+    """The old helpers: mean_count is the count, rank_key the key (already global)."""
+    def loss(p, x, y, m, key):
+        keep = jax.random.bernoulli(sr.rank_key(key, "data"), 0.9, (x.shape[0], H))
+        err = jnp.mean(jnp.where(keep, _hidden(p, x), 0.0) ** 2, axis=1)
+        return jnp.sum(m * err) / sr.mean_count(jnp.sum(m))
+
+    def plain(p, x, y, m, key):
+        keep = jax.random.bernoulli(key, 0.9, (x.shape[0], H))
+        err = jnp.mean(jnp.where(keep, _hidden(p, x), 0.0) ** 2, axis=1)
+        return jnp.sum(m * err) / jnp.sum(m)
+
+    want = jax.jit(jax.value_and_grad(plain))(PARAMS, X, LABELS, MASK, KEY)
+    got = _run(loss, _mesh(AxisType.Explicit), PARAMS, (X, LABELS), (MASK, KEY), False)
+    _assert_close(got, want, "")
+
+
+@functools.cache
+def _microbatched_reference():
+    def loss(p, x, y):
+        return jnp.mean(_xent(p, x, y)), jnp.max(_xent(p, x, y))
+
+    parts = [(X.reshape(N, -1, 2, D)[:, :, j].reshape(-1, D),
+              LABELS.reshape(N, -1, 2)[:, :, j].reshape(-1)) for j in range(2)]
+    outs = [jax.value_and_grad(loss, has_aux=True)(PARAMS, *part) for part in parts]
+    return loss, outs
+
+
+def test_microbatches_are_the_mean_over_global_micro_batches():
+    loss, outs = _microbatched_reference()
+    (value, aux), grads = _run(loss, _mesh(AxisType.Auto), PARAMS, (X, LABELS), (), True,
+                               microbatches=2)
+    np.testing.assert_allclose(value, np.mean([o[0][0] for o in outs]), rtol=1e-5)
+    np.testing.assert_allclose(aux, [o[0][1] for o in outs], rtol=1e-5)
+    _assert_close(grads, jax.tree_util.tree_map(lambda a, b: (a + b) / 2, outs[0][1], outs[1][1]),
+                  "grads")
+
+
+def _forgets_the_psum(eqn, vals, layouts, report):
+    """A planted bug: a sum over the rows without its psum (each rank's own sum)."""
+    d = layouts[0]
+    if d is None or d not in eqn.params["axes"]:
+        return sr._partition._RULES_BEFORE_PLANT["reduce_sum"](eqn, vals, layouts, report)
+    out = eqn.primitive.bind(*vals, **eqn.params)
+    return [out], [None]
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    from skipreduce_jax import _partition
+
+    monkeypatch.setattr(sr, "_partition", _partition, raising=False)
+    monkeypatch.setattr(_partition, "_RULES_BEFORE_PLANT", dict(_partition._RULES), raising=False)
+    monkeypatch.setitem(_partition._RULES, "reduce_sum", _forgets_the_psum)
+
+
+@pytest.mark.parametrize("num_skip", [0, 4])
+def test_the_first_step_check_names_a_planted_mismatch(planted, num_skip, capfd):
+    mesh = _mesh(AxisType.Explicit)
+
+    def run(step, check=True):
+        def train_step(p, x, y, m):
+            return sr.value_and_grad(_masked_mean, mesh, "data", step=step, check=check,
+                                     num_skip=num_skip, min_size=0)(p, x, y, m)
+        with jax.set_mesh(mesh):
+            value, _ = jax.jit(train_step)(
+                _placed(mesh, PARAMS, P()), _placed(mesh, X, P("data")),
+                _placed(mesh, LABELS, P("data")), MASK)
+            return float(value)
+
+    assert np.isnan(run(0))
+    assert "first-step check found the value different" in capfd.readouterr().err
+    wrong = run(1)  # after the first step the check does not run
+    assert not np.isnan(wrong)
+    assert not np.isclose(wrong, _masked_mean(PARAMS, X, LABELS, MASK), rtol=1e-3)
+    assert not np.isnan(run(0, check=False))  # and check=False leaves it out
+    assert "first-step check" not in capfd.readouterr().err
