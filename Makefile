@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-slow test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
+.PHONY: install lint test test-slow test-next-jax test-all demo demo-lm demo-nnx demo-linen demo-pjit demo-sharded \
         demo-multihost demo-lm1b bench bench-cluster bench-tta bench-tta-lm bench-sharded bench-fsdp check-pods \
         docs figures wheel wheel-check clean
 
@@ -29,6 +29,13 @@ test: $(STAMP)
 # The slow ones: multi-process jobs and short training runs (CI runs both).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# value_and_grad's partitioning with JAX's coming primitives on (the new scan,
+# remat and custom_vjp behind these flags, the defaults to be).
+NEXT_JAX := JAX_SCAN3=1 JAX_REMAT3=1 JAX_CUSTOM_VJP3=1
+test-next-jax: $(STAMP)
+	$(NEXT_JAX) $(PY) -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_WORKERS) \
+	    tests/test_global_meaning.py tests/test_value_and_grad.py
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

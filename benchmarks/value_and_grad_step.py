@@ -6,9 +6,14 @@ on 8 simulated CPU devices, jitted three ways with the same shardings:
 * ``jax``: ``jax.value_and_grad`` on the global batch; XLA all-reduces.
 * ``sr k=0``: ``skipreduce_jax.value_and_grad`` at ``num_skip=0`` (the ring,
   nothing skipped): what the entry point costs where it saves nothing.
+* ``sr k=0 no check``: the same with ``check=False`` (no step-0 check
+  compiled in).
 * ``sr random``: Random SkipReduce at ``skip_ratio=0.5``.
 
-Every variant is compiled and warmed up, then ``--rounds`` rounds are timed;
+Each variant's compile time and its compiled temporary memory
+(``memory_analysis()``) are recorded, and the time of its step 0, where the
+first-step check runs. Then every variant is warmed up, and ``--rounds``
+rounds of steps 1 and later are timed;
 within a round each variant runs ``--calls`` steps back to back, in an order
 that rotates from round to round, so that a slow spell of the machine falls
 on all of them. Reported: the median step time of each and its ratio to
@@ -66,6 +71,8 @@ def _steps(mesh, tx, loss):
         "jax": make(lambda count: jax.value_and_grad(loss)),
         "sr k=0": make(lambda count: sr.value_and_grad(
             loss, mesh, "data", step=count, num_skip=0, min_size=0)),
+        "sr k=0 no check": make(lambda count: sr.value_and_grad(
+            loss, mesh, "data", step=count, num_skip=0, min_size=0, check=False)),
         "sr random": make(lambda count: sr.value_and_grad(
             loss, mesh, "data", step=count, skip_ratio=0.5, min_size=0)),
     }
@@ -99,13 +106,24 @@ def main() -> None:
         NamedSharding(mesh, P("data")))
     tx = optax.sgd(1e-3, momentum=0.9)
     steps = _steps(mesh, tx, _explicit_loss if args.explicit else _loss)
-    state = {}
+    state, compiled = {}, {}
     with jax.set_mesh(mesh):
         for name, step in steps.items():
             params = jax.device_put(host_params, NamedSharding(mesh, P()))
             opt_state = tx.init(params)
-            for _ in range(3):
-                params, opt_state, loss = step(params, opt_state, batch, jnp.int32(0))
+            start = time.perf_counter()
+            executable = step.lower(params, opt_state, batch, jnp.int32(0)).compile()
+            memory = executable.memory_analysis()
+            compiled[name] = {"compile_s": time.perf_counter() - start,
+                              "temp_bytes": int(getattr(memory, "temp_size_in_bytes", -1))}
+            params, opt_state, loss = step(params, opt_state, batch, jnp.int32(0))
+            jax.block_until_ready(loss)  # step 0, compiled by jit's own cache
+            start = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, batch, jnp.int32(0))
+            jax.block_until_ready(loss)
+            compiled[name]["step0_ms"] = (time.perf_counter() - start) * 1e3
+            for i in range(3):
+                params, opt_state, loss = step(params, opt_state, batch, jnp.int32(1 + i))
             jax.block_until_ready(loss)
             state[name] = (params, opt_state)
         times = {name: [] for name in steps}
@@ -116,7 +134,7 @@ def main() -> None:
                 start = time.perf_counter()
                 for c in range(args.calls):
                     params, opt_state, loss = steps[name](params, opt_state, batch,
-                                                          jnp.int32(c))
+                                                          jnp.int32(1 + c))
                 jax.block_until_ready(loss)
                 times[name].append((time.perf_counter() - start) / args.calls)
                 state[name] = (params, opt_state)
@@ -130,11 +148,15 @@ def main() -> None:
         report["variants"][name] = {
             "median_ms": float(np.median(ts) * 1e3),
             "ratio_to_jax": float(np.median(ts / base)),
-            "ratio_spread": [float(np.min(ts / base)), float(np.max(ts / base))]}
-    print(f"{'variant':<12} {'median ms':>10} {'/ jax':>7}  (per-round min-max)")
+            "ratio_spread": [float(np.min(ts / base)), float(np.max(ts / base))],
+            **compiled[name]}
+    print(f"{'variant':<16} {'median ms':>10} {'/ jax':>7} {'(min-max)':>13} "
+          f"{'step 0 ms':>10} {'compile s':>10} {'temp MiB':>9}")
     for name, row in report["variants"].items():
-        print(f"{name:<12} {row['median_ms']:10.2f} {row['ratio_to_jax']:7.3f}  "
-              f"({row['ratio_spread'][0]:.3f}-{row['ratio_spread'][1]:.3f})")
+        print(f"{name:<16} {row['median_ms']:10.2f} {row['ratio_to_jax']:7.3f} "
+              f"({row['ratio_spread'][0]:.3f}-{row['ratio_spread'][1]:.3f}) "
+              f"{row['step0_ms']:10.2f} {row['compile_s']:10.2f} "
+              f"{row['temp_bytes'] / 2**20:9.2f}")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

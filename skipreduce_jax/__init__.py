@@ -24,6 +24,7 @@ from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
 from skipreduce_jax._count import mean_count as mean_count
 from skipreduce_jax._gate import FeedbackGateState as FeedbackGateState
+from skipreduce_jax._grad import CheckSkippedWarning as CheckSkippedWarning
 from skipreduce_jax._grad import value_and_grad as value_and_grad
 from skipreduce_jax._guards import assert_replicated as assert_replicated
 from skipreduce_jax._guards import check_replicated as check_replicated

@@ -266,7 +266,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         treedef = jax.tree_util.tree_structure(params)
         outs, grads = _run(program, mesh, axes, ranks, step, specs, settings, tx,
                            treedef, microbatches)
-        if check:
+        if check and program.reference is not None:
             exact = settings
             if settings.resolve_num_skip(mesh.shape[axes[0]]) or settings.comm_dtype is not None:
                 exact = dataclasses.replace(settings, num_skip=0, skip_ratio=None,
@@ -386,30 +386,43 @@ class _Program:
         program = cls(flat, closed, jax.tree_util.tree_structure(out), leaves, at, is_param,
                    layouts, const_layouts, report)
         if check:
-            program.reference = _reference(flat, is_param, leaves, at, trace_mesh)
+            try:
+                program.reference = _reference(flat, closed, is_param, leaves, at, trace_mesh)
+            except Exception as e:  # jax.value_and_grad itself refuses the loss here
+                first = (str(e).splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"{_API}: the first-step check is off for this loss: "
+                    f"jax.value_and_grad of it does not trace as the step's jit code "
+                    f"({type(e).__name__}: {first}). Pass check=False to silence this.",
+                    CheckSkippedWarning, stacklevel=4)
         return program
 
 
-def _reference(flat, is_param, leaves, at, trace_mesh):
+def _reference(flat, closed, is_param, leaves, at, trace_mesh):
     """``jax.value_and_grad`` of the loss, traced as a jaxpr, and its inputs.
 
     Traced here, before any per-rank program, as the loss was: JAX traces a
-    custom rule once and caches it, and a rule may close over the loss's
-    values, live only while the loss is traced.
+    custom rule once and caches it. It differentiates the loss itself, or,
+    where that fails (closed-over arrays typed with the caller's Explicit
+    layouts that jax.value_and_grad cannot transpose), the traced program,
+    what it closes over passed in as plain jit values.
     """
     vals = [leaves[k] for k in at]
     params = [x for x, p in zip(vals, is_param, strict=True) if p]
     others = [x for x, p in zip(vals, is_param, strict=True) if not p]
+    consts = list(closed.consts)
 
-    def value_and_grad(params, others):
-        def loss(params):
-            full, ps, os = [], iter(params), iter(others)
-            for p in is_param:
-                full.append(next(ps) if p else next(os))
-            out = jax.tree_util.tree_leaves(flat(*full))
-            return out[0], out
-        (_, outs), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return [*outs, *grads]
+    def differentiated(outputs):
+        def value_and_grad(params, others, consts):
+            def loss(params):
+                full, ps, os = [], iter(params), iter(others)
+                for p in is_param:
+                    full.append(next(ps) if p else next(os))
+                out = outputs(full, consts)
+                return out[0], out
+            (_, outs), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            return [*outs, *grads]
+        return value_and_grad
 
     def shape(x):
         sharding = getattr(jax.typeof(x), "sharding", None) if not trace_mesh.empty else None
@@ -418,9 +431,16 @@ def _reference(flat, is_param, leaves, at, trace_mesh):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
                                     weak_type=getattr(x, "weak_type", False))
 
+    shapes = jax.tree_util.tree_map(shape, (params, others, consts))
     with jax.sharding.use_abstract_mesh(trace_mesh), tracing_markers():
-        reference = jax.make_jaxpr(value_and_grad)(*jax.tree_util.tree_map(shape, (params, others)))
-    return reference, [*params, *others]
+        try:
+            program = differentiated(
+                lambda full, _: jax.tree_util.tree_leaves(flat(*full)))
+            return jax.make_jaxpr(program)(*shapes[:2], []), [*params, *others]
+        except Exception:
+            program = differentiated(
+                lambda full, consts: jax.core.eval_jaxpr(closed.jaxpr, consts, *full))
+            return jax.make_jaxpr(program)(*shapes), [*params, *others, *consts]
 
 
 def _refuse_own_collectives(flat, shapes, axes, ranks):
@@ -565,6 +585,10 @@ def _check_first_step(program, outs, grads, step, mesh, treedef, exact_run):
 
     zero = lax.cond(step == 0, compare, lambda _: jnp.zeros((), outs[0].dtype), None)
     outs[0] = outs[0] + zero
+
+
+class CheckSkippedWarning(UserWarning):
+    """:func:`value_and_grad`'s first-step check cannot run for this loss."""
 
 
 def _differs(mine: jax.Array, ref: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Literal, Var, jaxpr_as_fun
+from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,8 +82,6 @@ class Traced(NamedTuple):
     consts: list[Any]     # the arrays the loss closes over
     at: list[int]         # positions of the array leaves among the arguments'
     out_tree: Any
-    out_varying: list[bool]  # per output leaf: does it depend on the batch?
-    out_sums: list[bool]     # per output leaf: is its last operation a sum?
     in_varying: list[bool]   # per array leaf: is it a batch leaf?
 
 
@@ -157,40 +155,12 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
         closed, out = traced_under(
             abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names}))
     in_varying = [per_leaf[i] for i in at]
-    rows = {s.shape[0] for s, v in zip(shapes, in_varying, strict=True) if v and s.ndim}
     return Traced(closed.jaxpr, list(closed.consts), at,
-                  jax.tree_util.tree_structure(out), _flags(closed.jaxpr, in_varying),
-                  _sums(closed.jaxpr, in_varying, rows), in_varying)
+                  jax.tree_util.tree_structure(out), in_varying)
 
 
 def _part(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
     return (shape[0] // parts,) + shape[1:] if parts > 1 else shape
-
-
-def unfed(traced: Traced) -> list[int]:
-    """Output leaves that depend on no argument: constants, or the batch's shapes."""
-    return [i for i, fed in enumerate(_flags(traced.jaxpr, [True] * len(traced.jaxpr.invars)))
-            if not fed]
-
-
-def constants(traced: Traced, outputs: Sequence[int]) -> list[Any]:
-    """The values of ``outputs``, leaves that depend on no argument (see :func:`unfed`)."""
-    jaxpr = traced.jaxpr
-    wanted = [jaxpr.outvars[i] for i in outputs]
-    needed = {v for v in wanted if isinstance(v, Var)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if needed & set(eqn.outvars):
-            kept.append(eqn)
-            needed |= {v for v in eqn.invars if isinstance(v, Var)}
-    pruned = jaxpr.replace(invars=[], outvars=wanted, eqns=kept[::-1])
-    return jaxpr_as_fun(ClosedJaxpr(pruned, traced.consts))()
-
-
-def closed_over(fun: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
-    """The arrays ``fun`` closes over, traced on the caller's ``args`` as its jit has them."""
-    with tracing_markers():
-        return list(jax.make_jaxpr(fun)(*args).consts)
 
 
 def replay(traced: Traced, markers: dict[str, Callable[[Any, bool], Any]]) -> Callable[..., Any]:
@@ -274,60 +244,6 @@ def _while_carry(p: dict[str, Any], in_flags: list[bool]) -> tuple[list[bool], b
             break
         carry = new
     return carry, _flags(p["cond_jaxpr"].jaxpr, in_flags[:cn] + carry)[0]
-
-
-def _sums(jaxpr: Any, in_flags: Sequence[bool], rows: set[int]) -> list[bool]:
-    """Per output of ``jaxpr``: is it a sum over the batch's rows?
-
-    A sum over the rows: ``jnp.sum`` over the leading axis of a value that
-    depends on the batch and has a row per example, cast, negated, added to
-    another such sum or scaled by a constant, and nowhere divided by a
-    :func:`mean_count` (then it is a share of a mean). The value (output 0)
-    and an output that is the value are not.
-    """
-    flags = dict(zip(jaxpr.invars, in_flags, strict=True))
-    normalized: set[Any] = set()
-    summed: set[Any] = set()
-    for eqn in jaxpr.eqns:
-        in_f = _read_flags(eqn, flags)
-        flags.update(zip(eqn.outvars, _eqn_flags(eqn, in_f), strict=True))
-        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        if eqn.params.get("name") == MEAN_COUNT or any(v in normalized for v in ins):
-            normalized.update(eqn.outvars)
-            continue
-        name, x, out = eqn.primitive.name, eqn.invars, eqn.outvars[0]
-        if name == "reduce_sum":
-            if in_f[0] and 0 in eqn.params["axes"] and x[0].aval.shape[:1] in [(r,) for r in rows]:
-                summed.add(out)
-        elif name in ("convert_element_type", "neg", "copy") and ins and ins[0] in summed:
-            summed.add(out)
-        elif name in ("add", "sub", "add_any") and len(ins) == 2 and all(
-                v in summed for v in ins):
-            summed.add(out)
-        elif name == "mul" and len(ins) == 1 and ins[0] in summed:
-            summed.add(out)  # times a constant
-    value = jaxpr.outvars[0]
-    return [i > 0 and not isinstance(v, Literal) and v is not value and v in summed
-            for i, v in enumerate(jaxpr.outvars)]
-
-
-def divisor(traced: Traced, i: int) -> float | None:
-    """The constant output ``i`` is divided by last (``x / 64.0``), if any."""
-    v = traced.jaxpr.outvars[i]
-    eqn = next((e for e in traced.jaxpr.eqns if v in e.outvars), None)
-    if eqn is None or eqn.primitive.name not in ("div", "mul"):
-        return None
-    other = eqn.invars[1]
-    if not isinstance(other, Literal) or np.ndim(other.val):
-        return None
-    value = float(other.val)
-    value = value if eqn.primitive.name == "div" else (1 / value if value else None)
-    summed = next((e for e in traced.jaxpr.eqns if eqn.invars[0] in e.outvars), None)
-    if summed is not None and summed.primitive.name == "reduce_sum":
-        shape = summed.invars[0].aval.shape
-        if value == math.prod(shape[a] for a in summed.params["axes"]):
-            return None  # a mean over what it summed (jnp.mean)
-    return value
 
 
 @contextlib.contextmanager

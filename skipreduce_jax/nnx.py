@@ -73,7 +73,8 @@ def local_value_and_grad(
       axis_name: the data axis, or ``(outer, inner)``.
       wrt: the ``nnx`` filter of the variables to differentiate.
       has_aux: as for ``nnx.value_and_grad``.
-      rank_rngs: per-rank RNG streams during the call.
+      rank_rngs: kept for the optax route's signature; here the draws are
+        the global batch's whatever it is.
 
     Returns:
       ``f(model, *args) -> (value, grads)`` (``((value, aux), grads)`` with
@@ -140,10 +141,11 @@ def value_and_grad(
     """``nnx.value_and_grad`` whose gradient all-reduce is SkipReduce.
 
     Use it inside your ``nnx.jit`` step in place of ``nnx.value_and_grad``.
-    As :func:`skipreduce_jax.value_and_grad`, of the model's ``wrt`` state;
-    the grads are an ``nnx.State``. Other state the loss updates (BatchNorm's
-    running statistics) is written back to the model as the mean over
-    ranks; ``rank_rngs`` as in :func:`local_value_and_grad`.
+    As :func:`skipreduce_jax.value_and_grad`, of the model's ``wrt`` state:
+    the loss keeps its meaning on the global batch; the grads are an
+    ``nnx.State``. Other state the loss updates (BatchNorm's running
+    statistics, the RNG counts) is written back as the global batch makes
+    it, and dropout draws the global mask.
 
     Args:
       loss_fn: ``loss_fn(model, *args)``, written for the global batch.
@@ -154,7 +156,8 @@ def value_and_grad(
       has_aux: as for ``nnx.value_and_grad``.
       batch_argnums: positions in ``loss_fn``'s arguments (the model is 0);
         None: every one after the model.
-      rank_rngs: per-rank RNG streams during the call.
+      rank_rngs: kept for the optax route's signature; here the draws are
+        the global batch's whatever it is.
       param_specs: a prefix of the ``wrt`` state.
       config: the skip settings as a :class:`skipreduce_jax.SkipConfig`.
       **skip_options: :func:`skipreduce_jax.skip_reduce`'s options.

@@ -300,6 +300,17 @@ def test_dropout_masks_are_jax_jits_row_by_row(kind):
     assert len({np.asarray(r).tobytes() for r in np.split(np.asarray(keep), N)}) == N
 
 
+def _jax_differentiates_scan():
+    """False where JAX itself cannot (``jax_scan3`` at 0.10.2: NotImplementedError)."""
+    try:
+        jax.grad(lambda w: lax.scan(lambda c, x: (c * w + x, None), 0.0, jnp.ones(3))[0])(1.0)
+    except NotImplementedError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _jax_differentiates_scan(),
+                    reason="JAX itself cannot differentiate this scan (jax_scan3 at 0.10.2)")
 def test_time_major_batch_split_along_its_layout():
     mesh = _mesh(AxisType.Explicit)
     xs = RNG.normal(size=(5, B, 4)).astype(np.float32)
@@ -415,3 +426,30 @@ def test_the_first_step_check_names_a_planted_mismatch(planted, num_skip, capfd)
     assert not np.isclose(wrong, _masked_mean(PARAMS, X, LABELS, MASK), rtol=1e-3)
     assert not np.isnan(run(0, check=False))  # and check=False leaves it out
     assert "first-step check" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("num_skip", [0, 4])
+def test_a_zero_size_leaf_beside_others_crosses_no_collective(num_skip):
+    """XLA:CPU at jax 0.11.2 crashes compiling a collective of a zero-size array."""
+    mesh = _mesh(AxisType.Explicit)
+    params = {**PARAMS, "empty": np.zeros((0, H), np.float32)}
+
+    def loss(p, x, y):
+        return jnp.mean(_xent(p, x, y)) + jnp.sum(p["empty"])
+
+    def step(p, x, y):
+        return sr.value_and_grad(loss, mesh, "data", step=1, num_skip=num_skip,
+                                 min_size=0)(p, x, y)
+
+    with jax.set_mesh(mesh):
+        args = (_placed(mesh, params, P()), _placed(mesh, X, P("data")),
+                _placed(mesh, LABELS, P("data")))
+        value, grads = jax.jit(step)(*args)
+        text = jax.jit(step).lower(*args).compile().as_text()
+    assert grads["empty"].shape == (0, H)
+    ops = [op for op in sr.collective_traffic(text).ops if 0 in op.shape]
+    assert not ops, ops
+    if num_skip == 0:
+        want, want_grads = jax.value_and_grad(loss)(params, X, LABELS)
+        _assert_close(value, want, "value")
+        _assert_close(grads, want_grads, "grads")

@@ -388,7 +388,7 @@ def test_reviewed_losses_equal_jax_value_and_grad(name):
     has_aux = isinstance(jax.eval_shape(loss, *args), tuple)
     ref = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(*args)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no GlobalDivisorWarning for a mean
+        warnings.simplefilter("error")  # no warning for a mean
         got = jax.jit(lambda *a: sr.value_and_grad(
             loss, mesh, "data", step=0, num_skip=0, min_size=0, has_aux=has_aux,
             batch_argnums=batch)(*a))(*args)
