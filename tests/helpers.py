@@ -153,3 +153,28 @@ def assert_all_dead(pids: list[int], within: float = 5.0) -> None:
         except ProcessLookupError:
             pass
     assert not left, f"processes still running after the launcher or job ended: {left}"
+
+
+_COLLECTIVE = ("all_reduce", "collective_permute", "all_gather", "reduce_scatter",
+               "all_to_all")
+
+
+def zero_size_collectives(lowered_text: str) -> list[str]:
+    """The collectives of a lowered (not yet optimized) program with a zero-size array.
+
+    XLA drops them when it optimizes at jax 0.10.2 (0.11.2's XLA:CPU crashes
+    on them), so the StableHLO before optimization is read: each op's types
+    run to the line that says ``-> tensor<...>``.
+    """
+    found, current = [], None
+    for line in lowered_text.splitlines():
+        if current is None and any(f"stablehlo.{op}" in line for op in _COLLECTIVE):
+            current = []
+        if current is not None:
+            current.append(line)
+            if "->" in line:
+                op = "\n".join(current)
+                if re.search(r"tensor<(?:[0-9]+x)*0x", op):
+                    found.append(op.strip()[:200])
+                current = None
+    return found

@@ -5,8 +5,9 @@ import inspect
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from helpers import bit_inputs, line_mesh, per_rank, popcount
+from helpers import bit_inputs, line_mesh, per_rank, popcount, zero_size_collectives
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -469,3 +470,47 @@ def test_numpy_ints_and_python_scalars_are_accepted():
 def test_make_schedule_checks_its_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sr.make_schedule(4, key=jax.random.key(0), **kwargs)
+
+
+_EVERY_COLLECTIVE = {
+    "ring_psum": lambda t: sr.ring_psum(t, "i"),
+    "skip_psum": lambda t: sr.skip_psum(t, "i", key=jax.random.key(1), num_skip=2),
+    "skip_pmean": lambda t: sr.skip_pmean(t, "i", key=jax.random.key(1), num_skip=2),
+    "skip_pmean_and_left_out": lambda t: sr.skip_pmean_and_left_out(
+        t, "i", key=jax.random.key(1), num_skip=2),
+    "skip_psum_scatter": lambda t: sr.skip_psum_scatter(
+        {k: v for k, v in t.items() if v.ndim and v.shape[0] % 4 == 0},
+        "i", key=jax.random.key(1), num_skip=2),
+    "skip_reduce": lambda t: optax.chain(sr.skip_reduce("i", num_skip=2, min_size=0)).update(
+        t, optax.chain(sr.skip_reduce("i", num_skip=2, min_size=0)).init(t))[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EVERY_COLLECTIVE))
+def test_a_zero_size_leaf_beside_others_crosses_no_collective(name):
+    """Zero-size leaves have nothing to reduce: they stay out of every collective.
+
+    XLA:CPU at jax 0.11.2 crashes compiling a zero-size collective beside another.
+    """
+    n = 4
+    rng = np.random.default_rng(0)
+    tree = {"w": rng.normal(size=(n, 8, 5)).astype(np.float32),
+            "empty": np.zeros((n, 0, 4), np.float32),
+            "also_empty": np.zeros((n, 8, 0), np.float32)}
+    mesh = line_mesh(n)
+    fn = jax.jit(jax.shard_map(lambda t: _EVERY_COLLECTIVE[name](
+        jax.tree_util.tree_map(lambda x: x[0], t)), mesh=mesh, in_specs=P("i"),
+        out_specs=P(), check_vma=False))
+    placed = jax.device_put(tree, NamedSharding(mesh, P("i")))
+    out = fn(placed)
+    assert not zero_size_collectives(fn.lower(placed).as_text())
+    assert [x.shape for x in jax.tree_util.tree_leaves(out) if x.size == 0]
+
+
+def test_zero_size_collectives_are_seen():
+    """The reader above can fail: lax.psum of a zero-size array is one."""
+    mesh = line_mesh(4)
+    fn = jax.jit(jax.shard_map(lambda x: lax.psum(x[0], "i"), mesh=mesh, in_specs=P("i"),
+                               out_specs=P(), check_vma=False))
+    x = jax.device_put(np.zeros((4, 0, 3), np.float32), NamedSharding(mesh, P("i")))
+    assert zero_size_collectives(fn.lower(x).as_text())
