@@ -725,15 +725,6 @@ def _axis_of_batch(batch: Sequence[Any], mesh: Any) -> str:
         "axis over slow links).")
 
 
-def _shown_split(x: Any, axes: tuple[str, ...]) -> bool:
-    """Does ``x``'s layout (placed, or an Explicit type) split its rows over ``axes``?"""
-    sharding = getattr(x, "sharding", None)
-    spec = (sharding.spec if isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
-            else _type_spec(x))
-    return bool(spec is not None and len(spec)
-                and set(_shards.spec_axes(P(spec[0]))) & set(axes))
-
-
 def _type_spec(x: Any) -> P | None:
     """``x``'s layout, as its type shows it under Explicit axes (else None)."""
     if not isinstance(x, (jax.Array, jax.core.Tracer)):

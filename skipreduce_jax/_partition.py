@@ -633,6 +633,20 @@ def _cond(eqn, vals, layouts, report):
     return list(outs), target["layouts"]
 
 
+def _shard_map(eqn, vals, layouts, report):
+    """The user's own ``jax.shard_map``: over other axes it runs whole; over the data axes, refused."""
+    manual = set(eqn.params.get("newly_manual_axes", ())) & set(report.axes)
+    if manual:
+        raise ValueError(
+            f"value_and_grad: the loss calls a jax.shard_map manual over the data axes "
+            f"{sorted(manual)} (a per-rank computation inside the loss). value_and_grad "
+            "runs the loss, written for the global batch, over those axes itself. Write "
+            "that part as global jit code (a psum over the rows is a sum over the batch), "
+            "or take the per-rank route: make_train_step or data_parallel.")
+    vals = [_invariant(x, d, report, "shard_map") for x, d in zip(vals, layouts, strict=True)]
+    return _bind(eqn, vals), [None] * len(eqn.outvars)
+
+
 def _debug_callback(eqn, vals, layouts, report):
     """A callback sees the global values, once (on the first rank)."""
     vals = [relayout(x, d, None, report, eqn.primitive.name)
@@ -724,5 +738,6 @@ _RULES: dict[str, Callable[..., Any]] = {
     "while": _while,
     "cond": _cond,
     "debug_callback": _debug_callback,
+    "shard_map": _shard_map,
     "debug_print": _debug_callback,
 }

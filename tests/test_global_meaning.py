@@ -342,13 +342,27 @@ def test_what_is_gathered_is_reported():
     assert grad_fn.report.gathered == {}  # sums and means: a psum each, nothing gathered
 
 
-def test_a_loss_that_reduces_over_the_data_axis_itself_is_refused_by_name():
-    def loss(p, x, y):
+class _SyncedBN(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.BatchNorm(use_running_average=False, axis_name="data")(x)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_a_loss_that_reduces_over_the_data_axis_itself_is_refused_by_name(kind):
+    def pmean(p, x, y):
         return jnp.mean(lax.pmean(x @ p["w"], "data"))
 
-    mesh = _mesh(AxisType.Explicit)
-    with pytest.raises(ValueError, match=r"reduces over the data axes \['data'\] itself"):
-        _run(loss, mesh, PARAMS, (X, LABELS), (), False)
+    variables = {"params": {"BatchNorm_0": {"scale": jnp.ones(H), "bias": jnp.zeros(H)}},
+                 "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(H), "var": jnp.ones(H)}}}
+
+    def synced_batchnorm(p, x, y):
+        out, _ = _SyncedBN().apply(variables, x @ p["w"], mutable=["batch_stats"])
+        return jnp.mean(out ** 2)
+
+    for loss in (pmean, synced_batchnorm):
+        with pytest.raises(ValueError, match=r"reduces over the data axes \['data'\] itself"):
+            _run(loss, _mesh(kind), PARAMS, (X, LABELS), (), False)
 
 
 def test_mean_count_and_rank_key_are_not_needed_but_still_work():
@@ -472,3 +486,15 @@ def test_make_train_steps_zero_size_leaf_crosses_no_collective():
     new, _, _ = step(placed, opt_state, batch)
     assert new["empty"].shape == (0, H)
     assert not zero_size_collectives(text)
+
+
+def test_the_users_own_shard_map_over_the_data_axis_is_refused_by_name():
+    mesh = _mesh(AxisType.Auto)
+
+    def loss(p, x, y):
+        total = jax.shard_map(lambda h: lax.psum(jnp.sum(h), "data"), mesh=mesh,
+                              in_specs=P("data"), out_specs=P())(_hidden(p, x))
+        return total / x.shape[0]
+
+    with pytest.raises(ValueError, match=r"calls a jax.shard_map manual over the data axes"):
+        _run(loss, mesh, PARAMS, (X, LABELS), (), False)
