@@ -634,7 +634,7 @@ def _cond(eqn, vals, layouts, report):
 
 
 def _shard_map(eqn, vals, layouts, report):
-    """The user's own ``jax.shard_map``: over other axes it runs whole; over the data axes, refused."""
+    """The user's own ``jax.shard_map``: whole over other axes; over the data axes, refused."""
     manual = set(eqn.params.get("newly_manual_axes", ())) & set(report.axes)
     if manual:
         raise ValueError(
