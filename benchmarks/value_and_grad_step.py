@@ -6,8 +6,8 @@ on 8 simulated CPU devices, jitted three ways with the same shardings:
 * ``jax``: ``jax.value_and_grad`` on the global batch; XLA all-reduces.
 * ``sr k=0``: ``skipreduce_jax.value_and_grad`` at ``num_skip=0`` (the ring,
   nothing skipped): what the entry point costs where it saves nothing.
-* ``sr k=0 no check``: the same with ``check=False`` (no step-0 check
-  compiled in).
+* ``sr k=0 check``: the same with ``check=True`` (the step-0 check
+  compiled in, a ``lax.cond`` that later steps do not take).
 * ``sr random``: Random SkipReduce at ``skip_ratio=0.5``.
 
 Each variant's compile time and its compiled temporary memory
@@ -71,8 +71,8 @@ def _steps(mesh, tx, loss):
         "jax": make(lambda count: jax.value_and_grad(loss)),
         "sr k=0": make(lambda count: sr.value_and_grad(
             loss, mesh, "data", step=count, num_skip=0, min_size=0)),
-        "sr k=0 no check": make(lambda count: sr.value_and_grad(
-            loss, mesh, "data", step=count, num_skip=0, min_size=0, check=False)),
+        "sr k=0 check": make(lambda count: sr.value_and_grad(
+            loss, mesh, "data", step=count, num_skip=0, min_size=0, check=True)),
         "sr random": make(lambda count: sr.value_and_grad(
             loss, mesh, "data", step=count, skip_ratio=0.5, min_size=0)),
     }

@@ -72,7 +72,7 @@ def value_and_grad(
     batch_argnums: int | Sequence[int] | None = None,
     param_specs: Any = None,
     microbatches: int = 1,
-    check: bool = True,
+    check: bool = False,
     config: SkipConfig | None = None,
     **skip_options: Any,
 ) -> Callable[..., Any]:
@@ -132,8 +132,10 @@ def value_and_grad(
       check: at ``step == 0``, compare the value, every ``aux`` leaf and
         every gradient at ``num_skip=0`` with ``jax.value_and_grad`` of the
         global loss on the same batch; if one differs, print its name and
-        return the value as NaN (a ``lax.cond`` on the step: later steps do
-        not run it). Not with ``microbatches``.
+        return the value as NaN. Off by default: compiled into the step (a
+        ``lax.cond`` on the step), it made every step 2.4x slower on CPU and
+        doubled its temporary memory (:doc:`costs </costs>`). Turn it on for
+        a first run, or for one step compiled apart.
       config: the skip settings as a :class:`SkipConfig` (or as keywords).
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
@@ -177,7 +179,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           step: Any, has_aux: bool, argnums: int | Sequence[int],
           batch_argnums: int | Sequence[int] | None, param_specs: Any,
           microbatches: int, skip_options: dict[str, Any],
-          config: SkipConfig | None = None, check: bool = True,
+          config: SkipConfig | None = None, check: bool = False,
           describe: Callable[[int], str] = "argument {}".format) -> Callable[..., Any]:
     """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
     mesh = _resolve_mesh(mesh)

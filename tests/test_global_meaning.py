@@ -285,8 +285,11 @@ def test_with_skipping_the_replicas_agree_and_the_grads_change(name):
     loss, extra, has_aux = CASES[name]
     mesh = _mesh(AxisType.Explicit)
     params = _params(name)
+    # With the first-step check on (step 3 here: compiled in, not run; the
+    # planted test below runs it).
     (out, exact), (skipped_out, skipped) = (
-        _run(loss, mesh, params, (X, LABELS), extra, has_aux, num_skip=k) for k in (0, 4))
+        _run(loss, mesh, params, (X, LABELS), extra, has_aux, num_skip=k, check=True)
+        for k in (0, 4))
     _assert_close(skipped_out, out, "value")  # the forward pass is the same
     sr.assert_replicated(skipped, mesh)
     assert any(not np.allclose(a, b) for a, b in zip(
@@ -425,7 +428,7 @@ def planted(monkeypatch):
 def test_the_first_step_check_names_a_planted_mismatch(planted, num_skip, capfd):
     mesh = _mesh(AxisType.Explicit)
 
-    def run(step, check=True):
+    def run(step, check=True):  # off by default: on here
         def train_step(p, x, y, m):
             return sr.value_and_grad(_masked_mean, mesh, "data", step=step, check=check,
                                      num_skip=num_skip, min_size=0)(p, x, y, m)
