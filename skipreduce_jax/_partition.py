@@ -277,24 +277,21 @@ def _dot_general(eqn, vals, layouts, report):
     l_free = [i for i in range(lnd) if i not in lc and i not in lb]
     r_free = [i for i in range(rnd) if i not in rc and i not in rb]
 
-    def partner(d, mine, theirs):
-        return theirs[list(mine).index(d)]
-
-    # The lhs decides where it is split; the rhs follows (or the other way).
-    if dl is not None and dl in lb:
-        rhs = relayout(rhs, dr, partner(dl, lb, rb), report, "dot_general")
-        return _bind(eqn, [lhs, rhs], out_sharding=None), [list(lb).index(dl)]
-    if dl is not None and dl in lc:
-        rhs = relayout(rhs, dr, partner(dl, lc, rc), report, "dot_general")
-        local = _bind(eqn, [lhs, rhs], out_sharding=None)[0]
-        return [lax.psum(local, report.axes)], [None]
-    if dr is not None and dr in rb:
-        lhs = relayout(lhs, dl, partner(dr, rb, lb), report, "dot_general")
-        return _bind(eqn, [lhs, rhs], out_sharding=None), [list(rb).index(dr)]
-    if dr is not None and dr in rc:
-        lhs = relayout(lhs, dl, partner(dr, rc, lc), report, "dot_general")
-        local = _bind(eqn, [lhs, rhs], out_sharding=None)[0]
-        return [lax.psum(local, report.axes)], [None]
+    # A split batch or contracted dimension: the other operand follows it
+    # (split there too); a contraction then sums the ranks' partial products.
+    ops, dims = [lhs, rhs], [dl, dr]
+    for side, (own_batch, own_contract, batch, contract) in enumerate(
+            ((lb, lc, rb, rc), (rb, rc, lb, lc))):
+        d = dims[side]
+        for own, theirs, summed in ((own_batch, batch, False), (own_contract, contract, True)):
+            if d is None or d not in own:
+                continue
+            ops[1 - side] = relayout(ops[1 - side], dims[1 - side], theirs[list(own).index(d)],
+                                     report, "dot_general")
+            out = _bind(eqn, ops, out_sharding=None)
+            if summed:
+                return [lax.psum(out[0], report.axes)], [None]
+            return out, [list(own).index(d)]
     if dl is not None:  # a free dimension of the lhs; the rhs whole
         rhs = relayout(rhs, dr, None, report, "dot_general")
         return _bind(eqn, [lhs, rhs], out_sharding=None), [len(lb) + l_free.index(dl)]
