@@ -548,6 +548,7 @@ def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microba
     full = ([spec(d) for d in out_layouts],
             [s if s is not None else P() for s in specs])
     outs, grads = _mapped(body, mesh, axes, in_specs, out_specs, full)(step, *flat)
+    report.env.clear()  # the pieces of this trace: not kept past it
     compiler = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if a not in axes and t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
     if compiler and isinstance(mesh, jax.sharding.Mesh):
