@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import Literal
+from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding
 
 from skipreduce_jax._replay import constrain
@@ -83,10 +84,12 @@ sqrt square stop_gradient sub tan tanh xor clz square random_wrap random_unwrap
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
              layouts: Sequence[Layout], report: PartitionReport,
-             const_layouts: Sequence[Layout] | None = None) -> tuple[list[Any], list[Layout]]:
+             const_layouts: Sequence[Layout] | None = None,
+             lazy: bool = False) -> tuple[list[Any], list[Layout]]:
     """``jaxpr`` (global shapes) on the pieces ``args`` laid out as ``layouts``.
 
-    ``consts`` are whole unless ``const_layouts`` says otherwise.
+    ``consts`` are whole unless ``const_layouts`` says otherwise; ``lazy``:
+    outputs may be :class:`Lazy` (for a jaxpr inlined in another).
     """
     env = report.env
 
@@ -104,13 +107,85 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         for v, x, layout in zip(eqn.outvars, outs, out_layouts, strict=True):
             env[v] = (x, layout)
     pairs = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in pairs], [layout for _, layout in pairs]
+    return ([x if lazy else _made(x) for x, _ in pairs], [layout for _, layout in pairs])
+
+
+class Lazy:
+    """A whole value made only where it is used: a rank's block, or all of it.
+
+    Random bits are one: with ``jax_threefry_partitionable`` the bits of
+    element ``i`` are a hash of the key and ``i`` alone, so a rank's block
+    needs none of the rest; so is an elementwise op of whole values one of
+    which is lazy (a dropout mask from its bits). Where such a value meets
+    split ones, :func:`take` asks for ``block(dim)``; anything else gets
+    ``whole()``.
+    """
+
+    def __init__(self, shape: tuple[int, ...], block: Callable[[int], Any],
+                 whole: Callable[[], Any]):
+        self.shape, self.block, self.whole = shape, block, whole
+
+
+def _drawn(key: Any, shape: tuple[int, ...], report: PartitionReport) -> Lazy:
+    """``random_bits`` of ``key`` (32 bits), drawn per block."""
+
+    def block(dim):
+        local = list(shape)
+        local[dim] //= report.ranks
+        start = (rank_index(report) * local[dim]).astype(np.uint32)
+        index = lax.full(local, np.uint32(0), np.uint32)
+        for k in range(len(shape)):
+            coord = lax.broadcasted_iota(np.uint32, local, k)
+            if k == dim:
+                coord = coord + start
+            index = index + coord * np.uint32(math.prod(shape[k + 1:]))
+        data = jax.random.key_data(key)
+        hi, lo = threefry2x32_p.bind(data[0], data[1], lax.full_like(index, 0), index)
+        return hi ^ lo
+
+    return Lazy(shape, block, lambda: jax.random.bits(key, shape, np.uint32))
+
+
+def _lazy_elementwise(eqn: Any, vals: list[Any], report: PartitionReport) -> Lazy:
+    """An elementwise op of whole values, one of them lazy: lazy too."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+
+    def block(dim):
+        return _bind(eqn, [take(x, dim, report) if _shape(x) == shape else _made(x)
+                           for x in vals])[0]
+
+    return Lazy(shape, block, lambda: _bind(eqn, [_made(x) for x in vals])[0])
+
+
+def _made(x: Any) -> Any:
+    return x.whole() if isinstance(x, Lazy) else x
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, Lazy) else np.shape(x)
+
+
+def _drawable(eqn: Any, key: Any, layout: Layout, report: PartitionReport) -> bool:
+    """Whether ``random_bits`` may be drawn per block (see :class:`Lazy`)."""
+    shape = tuple(eqn.params["shape"])
+    return (layout is None and eqn.params["bit_width"] == 32 and np.shape(key) == ()
+            and jax.config.jax_threefry_partitionable and 0 < math.prod(shape) < 2**32
+            and str(jax.random.key_impl(key)) == "threefry2x32"
+            and any(n % report.ranks == 0 for n in shape))
 
 
 def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
           report: PartitionReport) -> tuple[list[Any], list[Layout]]:
     """One equation on pieces: its outputs and their layouts."""
     name = eqn.primitive.name
+    if name == "random_bits" and _drawable(eqn, vals[0], layouts[0], report):
+        return [_drawn(vals[0], tuple(eqn.params["shape"]), report)], [None]
+    if name in ELEMENTWISE and any(d is not None for d in layouts):
+        return _elementwise(eqn, vals, layouts, report)
+    if name in ELEMENTWISE and len(eqn.outvars) == 1 and any(isinstance(x, Lazy) for x in vals):
+        return [_lazy_elementwise(eqn, vals, report)], [None]
+    if name not in _CALLS:  # a call's body meets its lazy inputs itself
+        vals = [_made(x) for x in vals]
     rule = _RULES.get(name)
     if rule is not None:
         return rule(eqn, vals, layouts, report)
@@ -133,6 +208,8 @@ def rank_index(report: PartitionReport) -> jax.Array:
 
 def take(x: Any, dim: int, report: PartitionReport) -> Any:
     """The rank's block of whole ``x`` along ``dim`` (no communication)."""
+    if isinstance(x, Lazy):
+        return x.block(dim)
     size = x.shape[dim] // report.ranks
     return lax.dynamic_slice_in_dim(x, rank_index(report) * size, size, axis=dim)
 
@@ -205,8 +282,8 @@ def _elementwise(eqn, vals, layouts, report):
     dim = dims.pop()
     shape = eqn.outvars[0].aval.shape
     # A whole operand gives its block; one of size 1 along the rows broadcasts.
-    vals = [take(x, dim, report) if d is None and np.ndim(x) == len(shape)
-            and np.shape(x)[dim] == shape[dim] else x
+    vals = [take(x, dim, report) if d is None and len(_shape(x)) == len(shape)
+            and _shape(x)[dim] == shape[dim] else _made(x)
             for x, d in zip(vals, layouts, strict=True)]
     return _bind(eqn, vals), [dim] * len(eqn.outvars)
 
@@ -406,7 +483,7 @@ def _inline(key):
     def rule(eqn, vals, layouts, report):
         closed = eqn.params[key]
         jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
-        return evaluate(jaxpr, consts, vals, layouts, report)
+        return evaluate(jaxpr, consts, vals, layouts, report, lazy=True)
     return rule
 
 
@@ -690,6 +767,7 @@ def _guarded(rule):
     return run
 
 
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _RULES: dict[str, Callable[..., Any]] = {
     "broadcast_in_dim": _guarded(_broadcast_in_dim),
     "reshape": _guarded(_reshape),
