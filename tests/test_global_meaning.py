@@ -501,3 +501,20 @@ def test_the_users_own_shard_map_over_the_data_axis_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"calls a jax.shard_map manual over the data axes"):
         _run(loss, mesh, PARAMS, (X, LABELS), (), False)
+
+
+def test_each_rank_draws_only_its_rows_of_a_dropout_mask():
+    """The bits of a mask's block need none of the rest (threefry, partitionable)."""
+    mesh = _mesh(AxisType.Explicit)
+    x = np.ones((N * 16, D), np.float32)
+
+    def loss(p, x, key):
+        h = _hidden(p, x)
+        return jnp.mean(jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h, 0.0) ** 2)
+
+    def step(p, x, key):
+        return sr.value_and_grad(loss, mesh, "data", step=1, num_skip=0, min_size=0)(p, x, key)
+    with jax.set_mesh(mesh):
+        text = jax.jit(step).lower(_placed(mesh, PARAMS, P()), _placed(mesh, x, P("data")),
+                                   KEY).compile().as_text()
+    assert f"u32[16,{H}]" in text and f"u32[{N * 16},{H}]" not in text
