@@ -375,6 +375,11 @@ class _Program:
                 const_layouts.append(0)
             else:
                 const_layouts.append(None)
+        if microbatches > 1 and any(d is not None for d in const_layouts):
+            raise ValueError(
+                f"{_API}: microbatches={microbatches} with a batch the loss closes over "
+                "(split over the data axes): its micro-batches are cut from the "
+                "arguments only. Pass the batch as an argument of fun.")
         report = PartitionReport(axes, ranks)
         if not any(d is not None for d in layouts + const_layouts):
             warnings.warn(

@@ -518,3 +518,14 @@ def test_each_rank_draws_only_its_rows_of_a_dropout_mask():
         text = jax.jit(step).lower(_placed(mesh, PARAMS, P()), _placed(mesh, x, P("data")),
                                    KEY).compile().as_text()
     assert f"u32[16,{H}]" in text and f"u32[{N * 16},{H}]" not in text
+
+
+def test_microbatches_with_a_closed_over_batch_are_refused_by_name():
+    mesh = _mesh(AxisType.Auto)
+
+    def step(p, x, y):
+        return sr.value_and_grad(lambda p: jnp.mean(_xent(p, x, y)), mesh, "data", step=0,
+                                 num_skip=0, min_size=0, microbatches=2)(p)
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"closes over.*as an argument"):
+        jax.jit(step)(PARAMS, X, LABELS)
