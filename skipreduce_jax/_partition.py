@@ -291,7 +291,7 @@ def _elementwise(eqn, vals, layouts, report):
 def _broadcast_in_dim(eqn, vals, layouts, report):
     (x, *dyn), (d, *_) = vals, layouts
     if d is None or dyn:
-        return apply_default(eqn, vals, layouts, report)
+        return _whole(eqn, vals, layouts, report)
     out_dim = eqn.params["broadcast_dimensions"][d]
     shape = list(eqn.params["shape"])
     shape[out_dim] = x.shape[d]
@@ -301,7 +301,7 @@ def _broadcast_in_dim(eqn, vals, layouts, report):
 def _reshape(eqn, vals, layouts, report):
     (x, *dyn), (d, *_) = vals, layouts
     if d is None or dyn or eqn.params.get("dimensions") is not None:
-        return apply_default(eqn, vals, layouts, report)
+        return _whole(eqn, vals, layouts, report)
     src = eqn.invars[0].aval.shape
     dst = tuple(eqn.params["new_sizes"])
     lead = math.prod(src[:d])
@@ -728,12 +728,6 @@ def _debug_callback(eqn, vals, layouts, report):
     first = rank_index(report) == 0
     lax.cond(first, lambda *a: (_bind(eqn, list(a)), None)[1], lambda *a: None, *vals)
     return [], []
-
-
-def apply_default(eqn, vals, layouts, report):
-    if all(layout is None for layout in layouts):
-        return _bind(eqn, vals), [None] * len(eqn.outvars)
-    return _whole(eqn, vals, layouts, report)
 
 
 def _cumulative(eqn, vals, layouts, report):
