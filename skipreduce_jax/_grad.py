@@ -35,7 +35,7 @@ from skipreduce_jax import _shards
 from skipreduce_jax._config import skip_config
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import AxisNames, check_batch, mesh_axes, positions
-from skipreduce_jax._partition import PartitionReport, evaluate, settled, varying
+from skipreduce_jax._partition import Lazy, PartitionReport, evaluate, settled, take, varying
 from skipreduce_jax._replay import tracing_markers
 from skipreduce_jax._transform import (
     NothingSkippedWarning,
@@ -51,8 +51,6 @@ _API = "value_and_grad"
 # cannot carry, and what to do instead.
 _STATEFUL = {
     "error_feedback": "error_feedback (True or \"auto\") keeps a residual per rank",
-    "params_sharded": "params_sharded=True takes params sharded over the data "
-                      "axis (FSDP), whose blocks the step must gather",
     "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",
 }
 _OPTAX_ROUTE = (
@@ -466,8 +464,13 @@ def _refuse_own_collectives(flat, shapes, axes, ranks):
 
 
 def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microbatches):
-    """The partitioned loss per rank (its own gradients), then the ring."""
+    """The partitioned loss per rank (its own gradients), then the ring.
+
+    ``specs``: per param leaf, its spec over the compiler's axes and the
+    dimension it is split along over the data axes (FSDP), or None.
+    """
     closed, report = program.closed, program.report
+    specs, dims = [s for s, _ in specs], [d for _, d in specs]
     consts = list(closed.consts)
     passed = [i for i, c in enumerate(consts) if isinstance(c, (jax.Array, jax.core.Tracer))]
     leaves = [program.leaves[k] for k in program.at]
@@ -502,21 +505,26 @@ def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microba
         found["layouts"] = out_layouts
         return outs
 
+    reduce = _Reduction(settings, tx, treedef, params, specs, dims, report,
+                        mesh.shape[axes[0]])
+
     def probe(step, *flat):
         local_params, local_others, full_consts = unpack(flat)
-        forward(local_params, _micro_slice(local_others, other_layouts, microbatches, 0),
-                full_consts)
+        forward(reduce.whole(local_params, step),
+                _micro_slice(local_others, other_layouts, microbatches, 0), full_consts)
         return ()
 
     def body(step, *flat):
         local_params, local_others, full_consts = unpack(flat)
-        varying_params = [varying(x, report) for x in local_params]
+        varying_params = [x if d is not None else varying(x, report)
+                          for x, d in zip(local_params, dims, strict=True)]
 
         def objective(pv, micro_others):
             # A loss typed invariant is differentiated as it is: each rank's
             # gradient is its share. One that varies (it holds values every
-            # rank computed whole) counts 1/N on each.
-            outs = forward(pv, micro_others, full_consts)
+            # rank computed whole) counts 1/N on each. An FSDP block is
+            # gathered where it is used; its gradient comes back reduced.
+            outs = forward(reduce.whole(pv, step), micro_others, full_consts)
             loss = outs[0]
             return (loss / ranks if set(axes) & varying_axes(loss) else loss), outs
 
@@ -537,29 +545,147 @@ def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microba
             outs[0] = jnp.mean(outs[0], axis=0)
         outs = [settled(x, report) if d is None or (microbatches > 1 and i == 0) else x
                 for i, (x, d) in enumerate(zip(outs, found["layouts"], strict=True))]
-        local_tree = jax.tree_util.tree_unflatten(treedef, local_params)
-        grads = jax.tree_util.tree_unflatten(treedef, [x * ranks for x in g])
-        state = tx.init(local_tree)._replace(count=step)
-        grads, _ = skip_update(settings, grads, state, local_tree, specs=specs)
-        return outs, jax.tree_util.tree_leaves(grads)
+        return outs, reduce.replicated(g, local_params, step)
 
     flat = [*params, *others, *[consts[i] for i in passed]]
-    in_specs = (P(), *[P()] * len(params), *map(spec, other_layouts), *map(spec, const_layouts))
+    in_specs = (P(), *map(spec, dims), *map(spec, other_layouts), *map(spec, const_layouts))
     jax.eval_shape(_mapped(probe, mesh, axes, in_specs, (), ()), step, *flat)
     out_layouts = found["layouts"]
     if microbatches > 1:  # aux stacked per micro-batch (the value is their mean)
         out_layouts = [None] + [None if d is None else d + 1 for d in out_layouts[1:]]
-    out_specs = ([spec(d) for d in out_layouts], [P()] * len(params))
+    out_specs = ([spec(d) for d in out_layouts], list(map(spec, dims)))
     full = ([spec(d) for d in out_layouts],
-            [s if s is not None else P() for s in specs])
+            [_with_data(s, d, axes, g.ndim) for s, d, g in zip(specs, dims, params, strict=True)])
     outs, grads = _mapped(body, mesh, axes, in_specs, out_specs, full)(step, *flat)
     report.env.clear()  # the pieces of this trace: not kept past it
     compiler = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if a not in axes and t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
     if compiler and isinstance(mesh, jax.sharding.Mesh):
-        grads = [g if s is None else lax.with_sharding_constraint(g, NamedSharding(mesh, s))
-                 for g, s in zip(grads, specs, strict=True)]
+        grads = [g if s is None and d is None else lax.with_sharding_constraint(
+                     g, NamedSharding(mesh, _with_data(s, d, axes, g.ndim)))
+                 for g, s, d in zip(grads, specs, dims, strict=True)]
     return outs, grads
+
+
+def _with_data(spec: P | None, dim: int | None, axes: tuple[str, ...], ndim: int) -> P:
+    """A param's whole spec: ``spec`` over the compiler's axes, ``dim`` over the data axes."""
+    entries = list(spec or ()) + [None] * (ndim - len(spec or ()))
+    if dim is not None:
+        entries[dim] = axes if len(axes) > 1 else axes[0]
+    return P(*entries)
+
+
+class _Reduction:
+    """The gradients' reduction: the skipped ring, and FSDP's skipped reduce-scatter.
+
+    Replicated params: each rank's share of the gradient goes through
+    :func:`skip_reduce`'s ring at the end of the step. Params sharded over the
+    data axes (FSDP): each block is gathered where the loss uses it, and the
+    gradient of that gather is the skipped reduce-scatter, so every layer's
+    gradient is reduced as the backward pass reaches it, as XLA's FSDP does.
+    """
+
+    def __init__(self, settings, tx, treedef, params, specs, dims, report, n):
+        self.tx, self.treedef, self.specs, self.dims = tx, treedef, specs, dims
+        self.report, self.settings = report, settings
+        sharded = any(d is not None for d in dims)
+        if sharded and settings.exact_radial:
+            raise ValueError(
+                f"{_API}: exact_radial=True needs the whole gradient of each leaf, and "
+                "params sharded over the data axes (FSDP) have only their blocks. Pass "
+                "exact_radial=False, or replicate those params over the data axes.")
+        if sharded:
+            # Which leaves may skip, decided once on the whole tree (selective,
+            # min_size); each part then reduces its leaves with those flags.
+            plain = dataclasses.replace(settings, exact_radial=False)
+            tree = jax.tree_util.tree_unflatten(treedef, params)
+            self.flags = plain.skippable(tree, tree)
+            self.num_skip = settings.resolve_num_skip(n)
+            if self.num_skip and not any(self.flags):
+                warnings.warn(
+                    f"{_API}: no leaf may be skipped (each is excluded by selective or "
+                    f"smaller than min_size={settings.min_size}), so every step is a "
+                    "full reduction. For a small model pass e.g. min_size=0.",
+                    NothingSkippedWarning, stacklevel=4)
+
+    def whole(self, pv: list[Any], step: Any) -> list[Any]:
+        """The params as the loss sees them: an FSDP block gathered at its first use.
+
+        Later uses take the same gathered copy (one all-gather and one
+        reduce-scatter per leaf and step, as XLA's FSDP).
+        """
+        made: dict[int, Any] = {}
+
+        def gathered(x, d, i):
+            if i not in made:
+                made[i] = self._gathered(x, d, i, step)
+            return made[i]
+
+        def block(x, d, i, dim):
+            return take(gathered(x, d, i), dim, self.report)
+
+        return [x if d is None else Lazy(
+                    tuple(x.shape[:d]) + (x.shape[d] * self.report.ranks,) + tuple(x.shape[d + 1:]),
+                    functools.partial(block, x, d, i), functools.partial(gathered, x, d, i))
+                for i, (x, d) in enumerate(zip(pv, self.dims, strict=True))]
+
+    def _gathered(self, shard, dim, index, step):
+        axes = self.report.axes
+
+        @jax.custom_vjp
+        def gather(shard, step):
+            return lax.all_gather(shard, axes, axis=dim, tiled=True)
+
+        def fwd(shard, step):
+            return gather(shard, step), (shard, step)
+
+        def bwd(res, ct):
+            shard, step = res
+            return self._scattered(ct, shard, step, dim, index), None
+
+        gather.defvjp(fwd, bwd)
+        return gather(shard, step)
+
+    def _scattered(self, ct, shard, step, dim, index):
+        """This rank's block of the summed gradient, its reduce-scatter skipped."""
+        skip = self.flags[index]
+        settings = dataclasses.replace(
+            self.settings, params_sharded=True, exact_radial=False, selective=None,
+            min_size=0, num_skip=self.num_skip if skip else 0, skip_ratio=None)
+        grad = jnp.moveaxis(ct, dim, 0) * self.report.ranks
+        local = jnp.moveaxis(shard, dim, 0)
+        state = self.tx.init([local])
+        # Each leaf its own draw: the leaves' drops are independent.
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), index + 1)
+        state = state._replace(count=step, key=jax.random.key_data(key))
+        (out,), _ = skip_update(settings, [grad], state, [local])
+        return jnp.moveaxis(out, 0, dim)
+
+    def replicated(self, grads: list[Any], local_params: list[Any], step: Any) -> list[Any]:
+        """Every leaf reduced: the ring for replicated params (FSDP's come reduced)."""
+        ranks = self.report.ranks
+        if not any(d is not None for d in self.dims):
+            local_tree = jax.tree_util.tree_unflatten(self.treedef, local_params)
+            tree = jax.tree_util.tree_unflatten(self.treedef, [x * ranks for x in grads])
+            state = self.tx.init(local_tree)._replace(count=step)
+            tree, _ = skip_update(self.settings, tree, state, local_tree, specs=self.specs)
+            return jax.tree_util.tree_leaves(tree)
+        rep = [i for i, d in enumerate(self.dims) if d is None]
+        if not rep:
+            return grads
+        settings = dataclasses.replace(
+            self.settings, exact_radial=False, min_size=0,
+            selective=[self.flags[i] for i in rep])
+        local = [local_params[i] for i in rep]
+        state = self.tx.init(local)._replace(count=step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NothingSkippedWarning)
+            reduced, _ = skip_update(settings, [grads[i] * ranks for i in rep], state, local,
+                                     specs=[self.specs[i] for i in rep])
+        out = list(grads)
+        for i, g in zip(rep, reduced, strict=True):
+            out[i] = g
+        return out
 
 
 def _check_first_step(program, outs, grads, step, mesh, treedef, exact_run):
@@ -771,19 +897,33 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
     out = []
     for leaf, spec in zip(leaves, specs, strict=True):
         named = set(_shards.spec_axes(spec))
-        if named & set(axes):
-            raise ValueError(
-                f"{_API}: a param of shape {tuple(leaf.shape)} is sharded over "
-                f"{sorted(named & set(axes))} (spec {spec}), the data axis: the "
-                "params must be replicated over it (any layout over the other "
-                "mesh axes). For FSDP over the data axis use make_train_step "
-                "with skip_reduce(..., params_sharded=True).")
         unknown = named - set(mesh.axis_names)
         if unknown:
             raise ValueError(f"{_API}: param_specs names {sorted(unknown)}, not "
                              f"axes of the mesh {tuple(mesh.axis_names)}.")
-        out.append(spec if named else None)
+        dim = _fsdp_dim(leaf, spec, mesh, axes) if named & set(axes) else None
+        if dim is not None:  # FSDP: the compiler's axes are the other entries
+            spec = P(*[None if d == dim else e for d, e in enumerate(spec)])
+            named = set(_shards.spec_axes(spec))
+        out.append((spec if named else None, dim))
     return out
+
+
+def _fsdp_dim(leaf: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> int:
+    """The dimension a param sharded over the data axes (FSDP) is split along."""
+    want = axes if len(axes) > 1 else axes[0]
+    dims = [d for d, e in enumerate(spec) if set(_shards.spec_axes(P(e))) & set(axes)]
+    entry = spec[dims[0]]
+    as_tuple = tuple(entry) if isinstance(entry, tuple) else (entry,)
+    ranks = math.prod(mesh.shape[a] for a in axes)
+    if len(dims) > 1 or as_tuple != axes or leaf.shape[dims[0]] % ranks:
+        raise ValueError(
+            f"{_API}: a param of shape {tuple(leaf.shape)} has spec {spec} over the "
+            f"data axes {list(axes)}: a param sharded over them (FSDP) must split one "
+            f"dimension over exactly {want!r}, in one entry of its spec, and that "
+            f"dimension must divide by {ranks}. Shard it so (e.g. P({want!r}, ...)), "
+            "or replicate it over the data axes.")
+    return dims[0]
 
 
 def _check_step(step: Any) -> Any:
@@ -805,6 +945,11 @@ def _check_options(config: SkipConfig | None, options: dict[str, Any]) -> SkipCo
     if "inner_axis" in options:
         raise ValueError(f"{_API}: {_STATEFUL['inner_axis']}.")
     config = skip_config(config, options, api=_API)
+    if config.params_sharded:
+        raise ValueError(
+            f"{_API}: params_sharded=True is not an option here: params sharded over "
+            "the data axis (FSDP) are found from their layout (their types under "
+            "Explicit axes, else param_specs=). Drop params_sharded.")
     for name, why in _STATEFUL.items():
         if getattr(config, name, False):
             raise ValueError(

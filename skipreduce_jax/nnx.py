@@ -104,7 +104,13 @@ def _on_model(loss_fn: Callable[..., Any], wrt: Any, axes: tuple[str, ...], has_
     filters = (wrt, nnx.RngKey, ...) if rank_rngs else (wrt, ...)
 
     def wrapped(model, *args):
+        args_in = args
         graphdef, params, *others = nnx.split(model, *filters)
+        # Other NNX objects among the arguments (an nnx.Rngs passed to the
+        # loss): their states are arguments too, and what the loss changes
+        # in them (RNG counts) is written back, as nnx.value_and_grad does.
+        nodes = [nnx.split(a) if isinstance(a, nnx.Pytree) else None for a in args]
+        args = tuple(a if n is None else n[1] for a, n in zip(args, nodes, strict=True))
 
         # The states are arguments, so that the model merged inside the
         # differentiated function is this trace's own and may be mutated.
@@ -113,12 +119,20 @@ def _on_model(loss_fn: Callable[..., Any], wrt: Any, axes: tuple[str, ...], has_
                 keys = jax.tree_util.tree_map(lambda k: rank_key(k, axes), others[0])
                 others = (keys, *others[1:])
             local = nnx.merge(graphdef, params, *others, copy=True)
-            out = loss_fn(local, *args)
+            objects = [a if n is None else nnx.merge(n[0], a, copy=True)
+                       for a, n in zip(args, nodes, strict=True)]
+            out = loss_fn(local, *objects)
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, nnx.split(local, *filters)[-1])
+            changed = [None if n is None else nnx.state(o)
+                       for o, n in zip(objects, nodes, strict=True)]
+            return loss, (aux, (nnx.split(local, *filters)[-1], changed))
 
-        (loss, (aux, rest)), grads = differentiate(pure, params, tuple(others), args)
+        (loss, (aux, (rest, changed))), grads = differentiate(
+            pure, params, tuple(others), args)
         nnx.update(model, rest)
+        for a, state in zip(args_in, changed, strict=True):
+            if state is not None:
+                nnx.update(a, state)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
@@ -126,8 +140,8 @@ def _on_model(loss_fn: Callable[..., Any], wrt: Any, axes: tuple[str, ...], has_
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
-    mesh: jax.sharding.Mesh,
-    axis_name: AxisNames = "data",
+    mesh: jax.sharding.Mesh | None = None,
+    axis_name: AxisNames | None = None,
     *,
     step: Any = None,
     wrt: Any = nnx.Param,
@@ -149,16 +163,22 @@ def value_and_grad(
 
     Args:
       loss_fn: ``loss_fn(model, *args)``, written for the global batch.
-      mesh: the device mesh.
-      axis_name: the data axis, or ``(outer, inner)``.
+      mesh: the device mesh; None: the mesh of ``jax.set_mesh``.
+      axis_name: the data axis, or ``(outer, inner)``; None: as for
+        :func:`skipreduce_jax.value_and_grad`.
       step: the training step (e.g. ``optimizer.step[...]``). Required.
       wrt: the ``nnx`` filter of the variables to differentiate.
       has_aux: as for ``nnx.value_and_grad``.
       batch_argnums: positions in ``loss_fn``'s arguments (the model is 0);
-        None: every one after the model.
+        None: those the layouts split, as :func:`skipreduce_jax.value_and_grad`
+        finds them. An ``nnx.Rngs`` argument needs none: it is whole, and the
+        counts the loss draws are written back.
       rank_rngs: kept for the optax route's signature; here the draws are
         the global batch's whatever it is.
-      param_specs: a prefix of the ``wrt`` state.
+      param_specs: a prefix of the ``wrt`` state. Params sharded over the
+        data axis (FSDP, e.g. ``nnx.Param(..., out_sharding=("data", None))``
+        on an Explicit mesh) stay sharded: their grads come back in their
+        layouts, reduced by the skipped reduce-scatter.
       config: the skip settings as a :class:`skipreduce_jax.SkipConfig`.
       **skip_options: :func:`skipreduce_jax.skip_reduce`'s options.
 
@@ -178,7 +198,6 @@ def value_and_grad(
             return loss
     """
     api = "skipreduce_jax.nnx.value_and_grad"
-    axes = as_tuple(axis_name)
     rank_rngs = checks.check_bool(rank_rngs, "rank_rngs", api=api)
     given = (None if batch_argnums is None
              else positions(batch_argnums, "batch_argnums", api=api))
@@ -188,8 +207,8 @@ def value_and_grad(
 
     def differentiate(pure, params, others, args):
         # pure(params, others, *args): the loss's argument i is at i + 1.
-        batch = (tuple(range(2, len(args) + 2)) if given is None
-                 else tuple(i + 1 for i in given))
+        # None: found from the arguments' layouts, as sr.value_and_grad does.
+        batch = None if given is None else tuple(i + 1 for i in given)
         return build(
             pure, mesh, axis_name, step=step, has_aux=True, argnums=0,
             batch_argnums=batch, param_specs=param_specs, microbatches=1,
@@ -197,7 +216,8 @@ def value_and_grad(
             describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
             )(params, others, *args)
 
-    return _on_model(loss_fn, wrt, axes, has_aux, rank_rngs, differentiate)
+    # The keys stay as they are: the partitioned loss draws the global batch's bits.
+    return _on_model(loss_fn, wrt, (), has_aux, False, differentiate)
 
 
 def init_optimizer(

@@ -273,13 +273,19 @@ def test_clear_errors():
         _call(mesh, x, step=0, num_skip=1, param_specs=P("model"))
 
 
-def test_a_param_sharded_over_the_data_axis_is_refused():
+def test_a_param_sharded_over_the_data_axis_stays_sharded():
+    """FSDP over the data axis: the grad keeps the param's layout (test_fsdp_value_and_grad)."""
     mesh = jax.make_mesh((4, 2), ("replica", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
-    w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("replica")))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"replicated over it"):
-        jax.jit(lambda w, x: sr.value_and_grad(
-            lambda w, x: jnp.mean(w * x), mesh, "replica", step=0, num_skip=0)(w, x))(
-            w, jnp.ones((8, 8)))
+    w = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("replica")))
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+    loss = lambda w, x: jnp.mean(w * x)  # noqa: E731
+    with jax.set_mesh(mesh):
+        value, grad = jax.jit(lambda w, x: sr.value_and_grad(
+            loss, mesh, "replica", step=0, num_skip=0)(w, x))(w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(np.arange(8.0, dtype=np.float32), x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-6)
+    assert grad.sharding.spec == P("replica")
 
 
 def test_integer_aux_is_the_global_value():
