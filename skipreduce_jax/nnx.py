@@ -44,6 +44,7 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax._grad import build
 from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import AxisNames, as_tuple, build_step, positions, rank_key
+from skipreduce_jax._shards import spec_axes
 from skipreduce_jax._training import init_opt_state, per_rank_value_and_grad, to_varying
 
 __all__ = ["data_parallel", "init_optimizer", "local_value_and_grad", "value_and_grad"]
@@ -209,15 +210,33 @@ def value_and_grad(
         # pure(params, others, *args): the loss's argument i is at i + 1.
         # None: found from the arguments' layouts, as sr.value_and_grad does.
         batch = None if given is None else tuple(i + 1 for i in given)
+        specs = param_specs if param_specs is not None else _metadata_specs(params, mesh)
         return build(
             pure, mesh, axis_name, step=step, has_aux=True, argnums=0,
-            batch_argnums=batch, param_specs=param_specs, microbatches=1,
+            batch_argnums=batch, param_specs=specs, microbatches=1,
             config=config, skip_options=skip_options,
             describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
             )(params, others, *args)
 
     # The keys stay as they are: the partitioned loss draws the global batch's bits.
     return _on_model(loss_fn, wrt, (), has_aux, False, differentiate)
+
+
+def _metadata_specs(params: Any, mesh: Any) -> Any:
+    """The params' layouts from their ``out_sharding`` metadata, on Auto axes.
+
+    Explicit axes show the layouts in the types; Auto axes carry none inside
+    ``jax.jit``, so the metadata says which params are sharded (FSDP). None
+    where it names no axis, or axes that are not the mesh's (logical names).
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    specs = nnx.get_partition_spec(params)
+    named = {a for s in jax.tree_util.tree_leaves(
+                 specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+             if isinstance(s, jax.sharding.PartitionSpec) for a in spec_axes(s)}
+    return specs if named and named <= set(mesh.axis_names) else None
 
 
 def init_optimizer(

@@ -289,3 +289,40 @@ def test_nnx_optimizer_keeps_its_shards():
             assert jax.typeof(mu).sharding.spec == P(None, "data")
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
+
+
+def test_the_guides_fsdp_block_runs(capsys):
+    """docs/guides/sharded.md, "FSDP in your own jax.jit step": its code, as printed."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides"
+            / "sharded.md").read_text()
+    start = text.index("```python\n", text.index("## FSDP in your own")) + len("```python\n")
+    exec(compile(text[start:text.index("```", start)], "sharded.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["P(None,", "'data')", "P('data',", "None)"]
+
+
+def test_nnx_on_auto_axes_reads_the_sharding_metadata():
+    """Auto axes carry no layout inside jit: the params' out_sharding metadata says it."""
+    import skipreduce_jax.nnx as srnnx
+
+    mesh = _mesh(AxisType.Auto)
+
+    def loss(model, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            jnp.tanh(x @ model.w[...]) @ model.v[...], y).mean()
+
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+        state = nnx.state(model)
+        nnx.update(model, jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                                       state, nnx.get_partition_spec(state)))
+        grad = srnnx.value_and_grad(loss, step=jnp.int32(0), num_skip=0, min_size=0)
+        step = nnx.jit(lambda m, x, y: grad(m, x, y))
+        value, grads = step(model, X, Y)
+        text = step.lower(model, X, Y).compile().as_text()
+    (ref_value, ref_grads) = nnx.value_and_grad(loss)(model, X, Y)
+    _close(value, ref_value)
+    _close(grads["w"][...], ref_grads["w"][...])
+    _close(grads["v"][...], ref_grads["v"][...])
+    assert _hlo.collective_traffic(text).count("reduce-scatter") == 2  # w and v, as FSDP
