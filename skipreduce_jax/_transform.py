@@ -289,8 +289,10 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
 
         def dropped():
             out, skip = _update(drop, updates, state.skip, params)
-            return out, skip._replace(residual=jax.tree_util.tree_map(  # zeros, typed as r
-                lambda r: jnp.where(True, jnp.zeros((), r.dtype), r), skip.residual))
+            # Zeros typed as r (an empty residual, a leaf never skipped, as it is).
+            return out, skip._replace(residual=jax.tree_util.tree_map(
+                lambda r: r if r.size == 0 else jnp.where(True, jnp.zeros((), r.dtype), r),
+                skip.residual))
 
         if drop.radial(params):  # shut for good: the rule is not read
             out, skip = dropped()
@@ -526,8 +528,10 @@ def _update(config: _Config, updates: Any, state: SkipReduceState, params: Any,
             applied = lax.pmin(applied.astype(jnp.int32), axes) > 0
         kept = [r for r, s in zip(residuals, skippable) if not s]
         new = _merge(skippable, [x[None] for x in left_out], kept)
+        # A leaf that is never skipped keeps its (empty) residual as it is,
+        # typed as given, so that error_feedback="auto"'s two branches agree.
         new = [jnp.where(applied, jnp.where(jnp.isfinite(x), x, 0), r).astype(r.dtype)
-               for x, r in zip(new, residuals)]
+               if s else r for x, r, s in zip(new, residuals, skippable)]
         new_state = new_state._replace(residual=jax.tree_util.tree_unflatten(treedef, new))
     if config.verify_sync:
         _verify_sync(state, axes)

@@ -257,3 +257,50 @@ def test_auto_on_params_sharded_by_the_compiler(name, feeds):
     auto, want = run("auto"), run(feeds)
     for k in auto:
         np.testing.assert_array_equal(np.asarray(auto[k]), np.asarray(want[k]), err_msg=k)
+
+
+def _mlp_loss(p, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+
+@pytest.mark.parametrize("width, options, axes, gate_open", [
+    (320, {}, ("data",), False),                           # the bias under min_size
+    (320, {}, ("data",), True),                            # the same, the gate open
+    (32, dict(selective=sr.exclude("b"), min_size=0), ("data",), True),
+    (32, {}, ("data",), True),                             # every leaf under min_size
+    (320, dict(inner_axis="inner"), ("data", "inner"), True),
+], ids=["min_size", "min_size-open", "selective", "small-model", "inner_axis"])
+@pytest.mark.filterwarnings("ignore::skipreduce_jax.NothingSkippedWarning")
+def test_auto_runs_when_a_leaf_is_left_out_of_skipping(width, options, axes, gate_open):
+    """Before: "cond branches must have equal output types" on the first step.
+
+    A leaf left out of skipping has an empty residual; the Random branch
+    made it anew, typed the same on every rank, the feedback branch kept it
+    typed per rank. Each step here equals error_feedback=True's (gate open)
+    or Random's (shut).
+    """
+    rng = np.random.default_rng(0)
+    params = {"w": (rng.normal(size=(width, width)) * 0.1).astype(np.float32),
+              "b": np.zeros(width, np.float32)}
+    x = rng.normal(size=(64, width)).astype(np.float32)
+    mesh = jax.make_mesh((8,), axes) if len(axes) == 1 else jax.make_mesh((4, 2), axes)
+    axis = axes[0] if len(axes) == 1 else axes
+    results = {}
+    for ef in ("auto", gate_open):
+        tx = optax.chain(sr.skip_reduce("data", num_skip=1, error_feedback=ef, **options),
+                         optax.sgd(0.1))
+        state = sr.init_opt_state(tx, params, mesh, axis)
+        if ef == "auto" and gate_open:  # as after 45 steps of SGD
+            state = (state[0]._replace(overshooting=jnp.zeros_like(state[0].overshooting),
+                                       nonlinear=jnp.zeros_like(state[0].nonlinear)),
+                     *state[1:])
+        step = sr.make_train_step(_mlp_loss, tx, mesh, axis)
+        p, losses = params, []
+        for _ in range(3):
+            p, state, loss = step(p, state, (x, x))
+            losses.append(float(loss))
+        results[ef] = losses, p
+    np.testing.assert_allclose(results["auto"][0], results[gate_open][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(results["auto"][1]), jax.tree.leaves(results[gate_open][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -553,7 +553,11 @@ def test_a_constraint_of_another_mesh_in_a_step_names_both_meshes(other):
 
 
 def test_nnx_value_and_grad_names_the_losss_own_argument():
-    """Before: 'argument 3' for the loss's y (its argument 2)."""
+    """Before: 'argument 3' for the loss's y (its argument 2), named as the batch.
+
+    Without batch_argnums, y (60 rows, not split) is whole on every rank
+    and exact; named as the batch, it is refused by its own position.
+    """
     nnx = pytest.importorskip("flax.nnx")
     import skipreduce_jax.nnx as srnnx
 
@@ -567,7 +571,8 @@ def test_nnx_value_and_grad_names_the_losss_own_argument():
     match = r"loss_fn's argument 2 \(the model is 0\)"
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
         nnx.jit(lambda m, x, y: srnnx.value_and_grad(loss, mesh, "data", step=0,
-                                                     num_skip=0)(m, x, y))(model, x, y)
+                                                     num_skip=0, batch_argnums=(1, 2))(
+            m, x, y))(model, x, y)
 
 
 def test_multisteps_state_from_train_state_create_names_init_opt_state():
