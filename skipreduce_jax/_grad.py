@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.experimental import io_callback
 from jax.sharding import NamedSharding
@@ -109,7 +110,9 @@ def value_and_grad(
         None: the mesh's only axis, or the one axis the batch arguments'
         types split their rows over (Explicit axes), read at the call.
       step: the training step (an int, or a traced int scalar such as
-        ``state.step``). Required.
+        ``state.step``). Required. Under ``optax.MultiSteps`` pass its state
+        (e.g. ``step=state.opt_state``): each micro-step of an update then
+        draws its own drops, and warm-up counts updates.
       has_aux: as for ``jax.value_and_grad``.
       argnums: the params' positions, as for ``jax.value_and_grad``.
       batch_argnums: the positions split over ``axis_name`` (their leading
@@ -205,7 +208,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     if len(axes) > 2:
         raise ValueError(f"{_API}: axis_name={axis_name!r} must name one mesh "
                          "axis, or two (outer, inner) for hierarchical SkipReduce.")
-    step = _check_step(step)
+    clock, salted = _check_step(step)
     microbatches = checks.check_int(microbatches, "microbatches", api=_API, minimum=1)
     check = checks.check_bool(check, "check", api=_API) and microbatches == 1
     config = _check_options(config, skip_options)
@@ -264,7 +267,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                                  microbatches, check)
         wrapped.report = program.report
         treedef = jax.tree_util.tree_structure(params)
-        outs, grads = _run(program, mesh, axes, ranks, step, specs, settings, tx,
+        outs, grads = _run(program, mesh, axes, ranks, clock, salted, specs, settings, tx,
                            treedef, microbatches)
         if check and program.reference is not None:
             exact = settings
@@ -272,8 +275,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                 exact = dataclasses.replace(settings, num_skip=0, skip_ratio=None,
                                             comm_dtype=None)
             twin = None if exact is settings else lambda: _run(
-                program, mesh, axes, ranks, step, specs, exact, tx, treedef, 1)
-            _check_first_step(program, outs, grads, step, mesh, treedef, twin)
+                program, mesh, axes, ranks, clock, salted, specs, exact, tx, treedef, 1)
+            _check_first_step(program, outs, grads, clock[0], mesh, treedef, twin)
         return program.out_tree.unflatten(outs), jax.tree_util.tree_unflatten(treedef, grads)
 
     wrapped.report = None
@@ -463,11 +466,14 @@ def _refuse_own_collectives(flat, shapes, axes, ranks):
         "axis_name (or the collective).") from None
 
 
-def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microbatches):
+def _run(program, mesh, axes, ranks, step, salted, specs, settings, tx, treedef,
+         microbatches):
     """The partitioned loss per rank (its own gradients), then the ring.
 
-    ``specs``: per param leaf, its spec over the compiler's axes and the
-    dimension it is split along over the data axes (FSDP), or None.
+    ``step``: int32[2], the count and the micro-step (folded into the key
+    where ``salted``). ``specs``: per param leaf, its spec over the
+    compiler's axes and the dimension it is split along over the data axes
+    (FSDP), or None.
     """
     closed, report = program.closed, program.report
     specs, dims = [s for s, _ in specs], [d for _, d in specs]
@@ -506,7 +512,7 @@ def _run(program, mesh, axes, ranks, step, specs, settings, tx, treedef, microba
         return outs
 
     reduce = _Reduction(settings, tx, treedef, params, specs, dims, report,
-                        mesh.shape[axes[0]])
+                        mesh.shape[axes[0]], salted)
 
     def probe(step, *flat):
         local_params, local_others, full_consts = unpack(flat)
@@ -585,9 +591,9 @@ class _Reduction:
     gradient is reduced as the backward pass reaches it, as XLA's FSDP does.
     """
 
-    def __init__(self, settings, tx, treedef, params, specs, dims, report, n):
+    def __init__(self, settings, tx, treedef, params, specs, dims, report, n, salted):
         self.tx, self.treedef, self.specs, self.dims = tx, treedef, specs, dims
-        self.report, self.settings = report, settings
+        self.report, self.settings, self.salted = report, settings, salted
         sharded = any(d is not None for d in dims)
         if sharded and settings.exact_radial:
             raise ValueError(
@@ -654,12 +660,20 @@ class _Reduction:
             min_size=0, num_skip=self.num_skip if skip else 0, skip_ratio=None)
         grad = jnp.moveaxis(ct, dim, 0) * self.report.ranks
         local = jnp.moveaxis(shard, dim, 0)
-        state = self.tx.init([local])
         # Each leaf its own draw: the leaves' drops are independent.
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), index + 1)
-        state = state._replace(count=step, key=jax.random.key_data(key))
-        (out,), _ = skip_update(settings, [grad], state, [local])
+        (out,), _ = skip_update(settings, [grad], self._state([local], step, index + 1),
+                                [local])
         return jnp.moveaxis(out, 0, dim)
+
+    def _state(self, local: Any, step: jax.Array, index: int = 0) -> Any:
+        """The ring's state for ``step`` (count, micro-step): its key and count."""
+        state = self.tx.init(local)
+        key = jax.random.wrap_key_data(state.key)
+        if self.salted:  # each micro-step of an update its own balanced draws
+            key = jax.random.fold_in(key, step[1])
+        if index:
+            key = jax.random.fold_in(key, index)
+        return state._replace(count=step[0], key=jax.random.key_data(key))
 
     def replicated(self, grads: list[Any], local_params: list[Any], step: Any) -> list[Any]:
         """Every leaf reduced: the ring for replicated params (FSDP's come reduced)."""
@@ -667,8 +681,8 @@ class _Reduction:
         if not any(d is not None for d in self.dims):
             local_tree = jax.tree_util.tree_unflatten(self.treedef, local_params)
             tree = jax.tree_util.tree_unflatten(self.treedef, [x * ranks for x in grads])
-            state = self.tx.init(local_tree)._replace(count=step)
-            tree, _ = skip_update(self.settings, tree, state, local_tree, specs=self.specs)
+            tree, _ = skip_update(self.settings, tree, self._state(local_tree, step), local_tree,
+                                  specs=self.specs)
             return jax.tree_util.tree_leaves(tree)
         rep = [i for i, d in enumerate(self.dims) if d is None]
         if not rep:
@@ -677,7 +691,7 @@ class _Reduction:
             self.settings, exact_radial=False, min_size=0,
             selective=[self.flags[i] for i in rep])
         local = [local_params[i] for i in rep]
-        state = self.tx.init(local)._replace(count=step)
+        state = self._state(local, step)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NothingSkippedWarning)
             reduced, _ = skip_update(settings, [grads[i] * ranks for i in rep], state, local,
@@ -926,18 +940,34 @@ def _fsdp_dim(leaf: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> int:
     return dims[0]
 
 
-def _check_step(step: Any) -> Any:
+def _check_step(step: Any) -> tuple[jax.Array, bool]:
+    """``step`` as int32[2], the count and the micro-step, and whether it has one.
+
+    An ``optax.MultiStepsState`` (or a state holding one, e.g.
+    ``state.opt_state``) gives its ``gradient_step`` and ``mini_step``: each
+    micro-step of an update draws its own drops, whatever the loop counts.
+    """
     if step is None:
         raise ValueError(
             f"{_API}: pass step=, the training step (e.g. step=state.step; a "
             "traced int is fine). The key of each step's drops comes from seed "
             "and step, and warm-up from step: it keeps no state of its own.")
+    multi = [s for s in jax.tree_util.tree_leaves(
+        step, is_leaf=lambda s: isinstance(s, optax.MultiStepsState))
+        if isinstance(s, optax.MultiStepsState)]
+    if len(multi) > 1:
+        raise ValueError(f"{_API}: step= holds {len(multi)} optax.MultiStepsState; pass "
+                         "the one of the optimizer in use.")
+    if multi:
+        return jnp.stack([jnp.asarray(multi[0].gradient_step, jnp.int32),
+                          jnp.asarray(multi[0].mini_step, jnp.int32)]), True
     step = jnp.asarray(step)
     if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
         raise ValueError(
-            f"{_API}: step must be an int scalar (e.g. state.step), got an "
-            f"array of shape {step.shape} and dtype {step.dtype}.")
-    return step.astype(jnp.int32)
+            f"{_API}: step must be an int scalar (e.g. state.step), or the state of "
+            f"optax.MultiSteps (state.opt_state); got an array of shape {step.shape} "
+            f"and dtype {step.dtype}.")
+    return jnp.stack([step.astype(jnp.int32), jnp.int32(0)]), False
 
 
 def _check_options(config: SkipConfig | None, options: dict[str, Any]) -> SkipConfig:

@@ -647,3 +647,32 @@ def test_a_python_value_argument_stays_a_python_value():
             got = jax.jit(lambda w, x, s=square: grad_fn(w, x, s))(jnp.float32(2.0), x)
         want = jax.value_and_grad(loss)(jnp.float32(2.0), jnp.arange(16.0), square)
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_micro_steps_of_multisteps_draw_their_own_drops():
+    """Case 8: a loop that passes one step for every micro-step of an update.
+
+    step=opt_state of optax.MultiSteps: the micro-steps of one update (same
+    gradient_step) draw different drops; the same micro-step, the same.
+    """
+    mesh = jax.make_mesh((8,), ("data",))
+    w = np.ones(64, np.float32)
+    x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+
+    def grads(step):
+        with jax.set_mesh(mesh):
+            return np.asarray(jax.jit(lambda w, x, s: sr.value_and_grad(
+                lambda w, x: jnp.mean((x @ w) ** 2), step=s, num_skip=4, min_size=0)(w, x))(
+                    w, x, step)[1])
+
+    state = tx.init(w)
+    first = grads(state)
+    second = grads(state._replace(mini_step=jnp.int32(1)))
+    assert not np.allclose(first, second)
+    np.testing.assert_array_equal(grads(state), first)
+    # An int step that repeats repeats its drops: the reason to pass the state.
+    np.testing.assert_array_equal(grads(jnp.int32(1)), grads(jnp.int32(1)))
+    assert not np.allclose(grads(jnp.int32(0)), grads(jnp.int32(1)))
+    with pytest.raises(ValueError, match="MultiSteps"):
+        grads(jnp.zeros(2, jnp.int32))
