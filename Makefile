@@ -34,8 +34,7 @@ test-slow: $(STAMP)
 # remat and custom_vjp behind these flags, the defaults to be).
 NEXT_JAX := JAX_SCAN3=1 JAX_REMAT3=1 JAX_CUSTOM_VJP3=1
 test-next-jax: $(STAMP)
-	$(NEXT_JAX) $(PY) -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_WORKERS) \
-	    tests/test_global_meaning.py tests/test_value_and_grad.py
+	$(NEXT_JAX) $(PY) -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_WORKERS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

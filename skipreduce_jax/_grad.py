@@ -262,7 +262,11 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             return _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
                                 args, params_at, given_batch, microbatches, has_aux)
         params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
-        specs = _param_specs(params, param_specs, mesh, axes)
+        if placed is not None:  # the params' leaves among the placed arrays
+            starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
+            placed_params = [s for i in params_at for s in placed[starts[i]:starts[i + 1]]]
+        specs = _param_specs(params, param_specs, mesh, axes,
+                             None if placed is None else placed_params)
         program = _Program.trace(fun, args, params_at, given_batch, placed, axes, ranks,
                                  microbatches, check)
         wrapped.report = program.report
@@ -884,8 +888,15 @@ def _type_spec(x: Any) -> P | None:
 
 
 def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
-                 axes: tuple[str, ...]) -> list[P | None]:
-    """One spec over the compiler's axes per param leaf (None: replicated)."""
+                 axes: tuple[str, ...], placed: list[P | None] | None = None
+                 ) -> list[tuple[P | None, int | None]]:
+    """Per param leaf: its spec over the compiler's axes, and its FSDP dimension.
+
+    The spec is None where replicated; the dimension is the one it is split
+    along over the data axes (None: none). From ``given`` (param_specs),
+    else the types (Explicit axes), else the arrays' placements
+    (``placed``, read where called outside jit).
+    """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if given is not None:
         given = jax.tree_util.tree_map(  # shardings (jit's in_shardings) too
@@ -896,6 +907,9 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
     else:
         specs = [getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
                  for x in leaves]
+        if placed is not None:
+            specs = [s if _shards.spec_axes(s) else p
+                     for s, p in zip(specs, placed, strict=True)]
         # Explicit axes show the layout in the types (P() where replicated).
         others = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                   if a not in axes and mesh.shape[a] > 1

@@ -178,6 +178,7 @@ def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
           report: PartitionReport) -> tuple[list[Any], list[Layout]]:
     """One equation on pieces: its outputs and their layouts."""
     name = eqn.primitive.name
+    _check_differentiable(eqn)
     if name == "random_bits" and _drawable(eqn, vals[0], layouts[0], report):
         return [_drawn(vals[0], tuple(eqn.params["shape"]), report)], [None]
     if name in ELEMENTWISE and any(d is not None for d in layouts):
@@ -198,6 +199,36 @@ def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
     # was traced: its own rules then apply unchanged.
     vals = [_invariant(x, d, report, name) for x, d in zip(vals, layouts, strict=True)]
     return _bind(eqn, vals), [None] * len(eqn.outvars)
+
+
+def _check_differentiable(eqn: Any) -> None:
+    """Refuses, by name, a JAX primitive object this partitioning cannot run.
+
+    The flags in testing in jax 0.10 (``jax_scan3``, ``jax_remat3``,
+    ``jax_custom_vjp3``) make scans, checkpoints and custom rules a
+    ``call_hi_primitive`` holding an object. Refused: one whose class leaves
+    out its gradient (``Scan3`` has no ``vjp_fwd``), and one called on values
+    typed with layouts over Explicit axes, as :func:`_custom_vjp` refuses.
+    Found from the objects' classes and types, not from an error text.
+    """
+    prim = eqn.params.get("_prim")
+    if prim is None:
+        return
+    what = f"{type(prim).__name__} ({eqn.primitive.name}, the form a JAX flag in testing gives it)"
+    defined = next((c for c in type(prim).__mro__ if "vjp_fwd" in vars(c)), None)
+    if defined is not None and defined.__name__ == "VJPHiPrimitive":
+        raise ValueError(
+            f"value_and_grad: the loss holds {what}, whose gradient JAX does not define "
+            "(jax_scan3 makes lax.scan one). Turn the flag off (e.g. unset JAX_SCAN3) "
+            "for this loss.")
+    meshes = [getattr(getattr(v.aval, "sharding", None), "mesh", None) for v in eqn.invars]
+    if any(m is not None and not m.empty for m in meshes):
+        raise ValueError(
+            f"value_and_grad: the loss calls {what} on values typed with layouts over "
+            "Explicit mesh axes (it sets them: reshard, out_sharding=). Its rules are "
+            "typed for those layouts, so they cannot run on the data axis's pieces. Write "
+            "the loss without setting layouts, run the step on a mesh of Auto axes, or "
+            "turn the flag off.")
 
 
 # ---------------------------------------------------------------- helpers

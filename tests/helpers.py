@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -178,3 +179,22 @@ def zero_size_collectives(lowered_text: str) -> list[str]:
                     found.append(op.strip()[:200])
                 current = None
     return found
+
+
+# jax 0.10.2's flags in testing, the coming defaults (`make test-next-jax`
+# turns them on). Where the library does not yet hold under one, its test
+# is an expected failure naming why, and the README says so.
+SCAN3 = bool(jax.config.jax_scan3)
+REMAT3 = bool(jax.config.jax_remat3)
+under_scan3_ring = pytest.mark.xfail(
+    SCAN3, strict=True, raises=NotImplementedError,
+    reason="jax_scan3: JAX 0.10.2 cannot differentiate its Scan3 (no vjp_fwd), and "
+           "gather='ring' is a lax.scan")
+under_scan3_while = pytest.mark.xfail(
+    SCAN3, strict=True, raises=ValueError,
+    reason="jax_scan3: JAX 0.10.2 expands a scan into a while loop whose counter Ref "
+           "sits on one device beside the mesh's arrays ('incompatible devices')")
+under_remat3_per_leaf = pytest.mark.xfail(
+    REMAT3, strict=True, raises=AssertionError,
+    reason="jax_remat3: gather='per_leaf' gathers again in the backward through "
+           "jax.checkpoint, whose new form XLA:CPU schedules without the saving")

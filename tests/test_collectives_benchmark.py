@@ -7,6 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import under_scan3_while
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,6 +46,7 @@ def test_breakdown_lists_the_overlap_probes():
         assert cb.expected_wire_bytes(SIZE, N, cb.Variant(name, "part")) == SIZE // N * 4
 
 
+@under_scan3_while
 @pytest.mark.parametrize("pieces", [1, 4])
 def test_step_beside_reorder_returns_the_step_and_the_reorder(mesh, pieces):
     x, xs, key = _inputs(mesh)

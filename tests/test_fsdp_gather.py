@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import under_remat3_per_leaf
 from test_fsdp import _mlp as fsdp_mlp
 from test_fsdp import _mlp_loss
 
@@ -78,6 +79,7 @@ print(json.dumps(temp))
 """
 
 
+@under_remat3_per_leaf
 def test_per_leaf_peak_memory_is_below_whole():
     """8 layers of 1 MiB, 1/8 per device: the temporaries fall from ~7 MiB to ~2.
 
@@ -102,6 +104,7 @@ def test_per_leaf_peak_memory_is_below_whole():
         assert temp["per_leaf"] < 0.4 * temp["whole"], case
 
 
+@under_remat3_per_leaf
 def test_per_leaf_gathers_the_params_again_in_the_backward_pass():
     """All-gather bytes: (N-1)/N P forward, and again for every leaf the backward reads.
 

@@ -326,3 +326,17 @@ def test_nnx_on_auto_axes_reads_the_sharding_metadata():
     _close(grads["w"][...], ref_grads["w"][...])
     _close(grads["v"][...], ref_grads["v"][...])
     assert _hlo.collective_traffic(text).count("reduce-scatter") == 2  # w and v, as FSDP
+
+
+def test_outside_jit_the_placed_params_say_their_layout():
+    """Called on placed arrays outside jit (Auto axes): no param_specs needed."""
+    mesh = _mesh(AxisType.Auto)
+    with jax.set_mesh(mesh):
+        p = _placed(mesh, PARAMS, SPECS)
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (X, Y))
+        grad_fn = sr.value_and_grad(xent, step=0, has_aux=True, num_skip=0, min_size=0)
+        (value, _), grads = grad_fn(p, x, y)
+    (ref_value, _), ref_grads = jax.value_and_grad(xent, has_aux=True)(PARAMS, X, Y)
+    _close(value, ref_value)
+    jax.tree.map(_close, grads, ref_grads)
+    _same_layout(grads, SPECS)

