@@ -185,6 +185,12 @@ def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
         return _elementwise(eqn, vals, layouts, report)
     if name in ELEMENTWISE and len(eqn.outvars) == 1 and any(isinstance(x, Lazy) for x in vals):
         return [_lazy_elementwise(eqn, vals, report)], [None]
+    if vals and isinstance(vals[0], Lazy) and (name in ("sharding_constraint", "reshard") or (
+            name in ("reshape", "broadcast_in_dim")
+            and tuple(eqn.outvars[0].aval.shape) == vals[0].shape)):
+        # A layout (nnx.Dropout reshards its mask), or its own shape (as
+        # jax.random.uniform ends): the value, still made only where used.
+        return [vals[0]], [None]
     if name not in _CALLS:  # a call's body meets its lazy inputs itself
         vals = [_made(x) for x in vals]
     rule = _RULES.get(name)
@@ -779,6 +785,10 @@ def _concatenate(eqn, vals, layouts, report):
     return _keeps_rows(eqn, vals, layouts, report, lambda d: d != eqn.params["dimension"])
 
 
+def _split_rule(eqn, vals, layouts, report):  # jnp.split: pieces along one axis
+    return _keeps_rows(eqn, vals, layouts, report, lambda d: d != eqn.params["axis"])
+
+
 def _rev(eqn, vals, layouts, report):
     return _keeps_rows(eqn, vals, layouts, report, lambda d: d not in eqn.params["dimensions"])
 
@@ -824,6 +834,7 @@ _RULES: dict[str, Callable[..., Any]] = {
     "top_k": _guarded(_top_k),
     "concatenate": _guarded(_concatenate),
     "rev": _guarded(_rev),
+    "split": _guarded(_split_rule),
     "sharding_constraint": _sharding,
     "reshard": _sharding,
     "jit": _inline("jaxpr"),
