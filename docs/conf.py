@@ -46,7 +46,7 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["dollarmath", "deflist"]
 
 html_theme = "furo"
-html_title = "skipreduce_jax"
+html_title = f"skipreduce_jax {version}"
 
 
 def _inventory(name: str) -> str:

@@ -67,4 +67,4 @@ from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize
 from skipreduce_jax.distributed import process_info as process_info
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

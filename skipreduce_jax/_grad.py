@@ -65,7 +65,7 @@ def value_and_grad(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     axis_name: AxisNames | None = None,
     *,
-    step: Any = None,
+    step: int | jax.Array | optax.MultiStepsState,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,

@@ -144,7 +144,7 @@ def value_and_grad(
     mesh: jax.sharding.Mesh | None = None,
     axis_name: AxisNames | None = None,
     *,
-    step: Any = None,
+    step: int | jax.Array | optax.MultiStepsState,
     wrt: Any = nnx.Param,
     has_aux: bool = False,
     batch_argnums: int | Sequence[int] | None = None,

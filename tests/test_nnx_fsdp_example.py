@@ -48,6 +48,7 @@ def runs():
         ("skipped", CONFIG))}
 
 
+@pytest.mark.slow  # trains 3 runs, or compiles 2 steps: test-slow, in CI
 def test_equal_to_plain_at_k0_with_params_and_state_sharded(runs):
     plain, exact = runs["plain"], runs["exact"]
     np.testing.assert_allclose(exact["losses"], plain["losses"], rtol=2e-5)
@@ -62,6 +63,7 @@ def test_equal_to_plain_at_k0_with_params_and_state_sharded(runs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # trains 3 runs, or compiles 2 steps: test-slow, in CI
 def test_skipping_changes_the_update_and_keeps_the_layout(runs):
     skipped = runs["skipped"]
     assert np.isfinite(skipped["losses"]).all()
@@ -75,6 +77,7 @@ def nnx_state(model):
     return nnx.state(model, nnx.Param)
 
 
+@pytest.mark.slow  # trains 3 runs, or compiles 2 steps: test-slow, in CI
 def test_adopted_step_memory_is_within_1_25x_of_plain():
     """Compiled temporary memory of the two steps, at skip ratio 0.5.
 
