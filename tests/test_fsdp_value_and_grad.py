@@ -340,3 +340,42 @@ def test_outside_jit_the_placed_params_say_their_layout():
     _close(value, ref_value)
     jax.tree.map(_close, grads, ref_grads)
     _same_layout(grads, SPECS)
+
+
+@jax.custom_vjp
+def _clip_grad(x):
+    return x
+
+
+_clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+STACK = {"stack": (RNG.normal(size=(3, D, D)) * 0.3).astype(np.float32),
+         "w": (RNG.normal(size=(D, D)) * 0.3).astype(np.float32)}
+STACK_SPECS = {"stack": P(None, "data"), "w": P("data")}
+WHERE_USED = {
+    "scan over stacked layers": lambda p, x: jnp.mean(jax.lax.scan(
+        lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])[0] @ p["w"]),
+    "checkpoint": lambda p, x: jnp.mean(jax.checkpoint(lambda x: jnp.tanh(x @ p["w"]))(x) ** 2),
+    "custom_vjp on the param": lambda p, x: jnp.mean(x @ _clip_grad(p["w"])),
+    "cond": lambda p, x: jax.lax.cond(jnp.mean(x) > 0, lambda: jnp.mean(x @ p["w"]),
+                                      lambda: jnp.mean(x @ p["w"].T)),
+    "nested jit": lambda p, x: jnp.mean(jax.jit(lambda w, x: jnp.tanh(x @ w))(p["w"], x)),
+    "elementwise on the param": lambda p, x: (jnp.mean(x @ (p["w"] * 2 + 1))
+                                             + 1e-3 * jnp.sum(p["stack"] ** 2)),
+    "the param in aux": lambda p, x: (jnp.mean(x @ p["w"]), p["w"][0]),
+}
+
+
+@pytest.mark.parametrize("name", list(WHERE_USED))
+def test_fsdp_params_used_inside_control_flow_and_rules(name):
+    """Blocks gathered inside scan, checkpoint, cond, jit and custom_vjp: exact."""
+    loss = WHERE_USED[name]
+    aux = isinstance(jax.eval_shape(loss, STACK, X), tuple)
+    ref = jax.value_and_grad(loss, has_aux=aux)(STACK, X)
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        p = _placed(mesh, STACK, STACK_SPECS)
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        got = jax.jit(lambda p, x: sr.value_and_grad(
+            loss, step=0, num_skip=0, has_aux=aux, min_size=0)(p, x))(p, x)
+    jax.tree.map(_close, got, ref)
+    _same_layout(got[1], STACK_SPECS)

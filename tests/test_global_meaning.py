@@ -529,3 +529,86 @@ def test_microbatches_with_a_closed_over_batch_are_refused_by_name():
 
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"closes over.*as an argument"):
         jax.jit(step)(PARAMS, X, LABELS)
+
+
+# More losses written for the global batch, each crossing rows its own way
+# (rolls, flips, strides, Gram matrices, percentiles, segment maxima, scans
+# over the rows). All were exact when first run; kept so they stay so.
+MB, MD = 64, 6
+MX = RNG.normal(size=(MB, MD)).astype(np.float32)
+MY = RNG.integers(0, 4, size=MB).astype(np.int32)
+MW = RNG.normal(size=(MD, 4)).astype(np.float32)
+
+
+def _out(w, x):
+    return x @ w
+
+
+MORE = {
+    "norm_over_batch": lambda w, x, y: jnp.linalg.norm(_out(w, x)),
+    "one_hot": lambda w, x, y: (
+        jnp.mean(jnp.sum(jax.nn.one_hot(y, 4) * jax.nn.log_softmax(_out(w, x)), -1))),
+    "roll_rows": lambda w, x, y: jnp.mean((_out(w, x) - jnp.roll(_out(w, x), 1, axis=0)) ** 2),
+    "flip_rows": lambda w, x, y: jnp.mean(_out(w, x) * jnp.flip(_out(w, x), 0)),
+    "strided": lambda w, x, y: jnp.mean(_out(w, x)[::2] ** 2),
+    "gram_features": lambda w, x, y: jnp.sum((_out(w, x).T @ _out(w, x)) ** 2) / 1e3,
+    "softmax_over_batch": lambda w, x, y: jnp.sum(jax.nn.softmax(_out(w, x), axis=0) * _out(w, x)),
+    "percentile": lambda w, x, y: jnp.percentile(_out(w, x)[:, 0], 90.0),
+    "bincount": lambda w, x, y: (
+        jnp.mean(_out(w, x)) * jnp.bincount(y, length=4)[0].astype(jnp.float32)),
+    "logsumexp_batch": lambda w, x, y: jax.nn.logsumexp(_out(w, x)),
+    "std_ddof": lambda w, x, y: jnp.std(_out(w, x), ddof=1),
+    "first_row": lambda w, x, y: jnp.sum(_out(w, x)[0] ** 2),
+    "last_rows": lambda w, x, y: jnp.sum(_out(w, x)[-3:] ** 2),
+    "reshape_pairs": lambda w, x, y: jnp.mean(_out(w, x).reshape(MB // 2, 2, 4).sum(1) ** 2),
+    "reshape_flat": lambda w, x, y: jnp.mean(jnp.cumsum(_out(w, x).reshape(-1)) ** 2) / 100,
+    "outer_batch": lambda w, x, y: (
+        jnp.mean(jnp.tanh(_out(w, x)[:, None, 0] - _out(w, x)[None, :, 0]))),
+    "argmax_acc": lambda w, x, y: (
+        jnp.mean(_out(w, x) ** 2),
+        jnp.mean((jnp.argmax(_out(w, x), -1) == y).astype(jnp.float32))),
+    "take_along": lambda w, x, y: (
+        -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(_out(w, x)), y[:, None], 1))),
+    "optax_xent": lambda w, x, y: (
+        optax.softmax_cross_entropy_with_integer_labels(_out(w, x), y).mean()),
+    "where_mask": lambda w, x, y: (
+        jnp.sum(jnp.where(y[:, None] > 1, _out(w, x), 0.0) ** 2) / jnp.maximum(jnp.sum(y > 1), 1)),
+    "clip_by_global": lambda w, x, y: (
+        jnp.mean(jnp.clip(_out(w, x), -jnp.max(jnp.abs(_out(w, x))) / 2, None))),
+    "sort_hardest": lambda w, x, y: jnp.mean(jnp.sort(jnp.sum(_out(w, x) ** 2, -1))[-8:]),
+    "matrix_T_batch": lambda w, x, y: jnp.mean((x.T @ x) @ w),
+    "vmap_per_example": lambda w, x, y: jnp.mean(jax.vmap(lambda xi: jnp.sum(jnp.tanh(xi @ w)))(x)),
+    "scan_over_batch": lambda w, x, y: (
+        lax.scan(lambda c, r: (c + jnp.sum(r @ w) ** 2 / 100, None), 0.0, x)[0]),
+    "fori": lambda w, x, y: lax.fori_loop(0, 3, lambda i, c: c + jnp.mean(_out(w, x) * i), 0.0),
+    "int_div": lambda w, x, y: jnp.mean(_out(w, x)) + (jnp.sum(y) // 7).astype(jnp.float32),
+    "dynamic_index": lambda w, x, y: jnp.sum(_out(w, x)[jnp.argmax(y)] ** 2),
+    "searchsorted": lambda w, x, y: (
+        jnp.mean(_out(w, x)) * jnp.searchsorted(jnp.sort(x[:, 0]), 0.0).astype(jnp.float32)),
+    "expand_tile": lambda w, x, y: jnp.mean(jnp.tile(_out(w, x), (2, 1)) ** 2),
+    "concat_self": lambda w, x, y: jnp.mean(jnp.concatenate([_out(w, x), -_out(w, x)], 0) ** 3),
+    "stack_axis0": lambda w, x, y: jnp.mean(jnp.stack([_out(w, x), _out(w, x) * 2]) ** 2),
+    "pad_rows": lambda w, x, y: jnp.mean(jnp.pad(_out(w, x), ((1, 0), (0, 0))) ** 2),
+    "repeat_rows": lambda w, x, y: jnp.mean(jnp.repeat(_out(w, x), 2, axis=0) ** 2),
+    "diff_rows": lambda w, x, y: jnp.mean(jnp.diff(_out(w, x), axis=0) ** 2),
+    "lax_top_k_cols": lambda w, x, y: jnp.mean(lax.top_k(_out(w, x), 2)[0]),
+    "segment_max": lambda w, x, y: (
+        jnp.sum(jax.ops.segment_max(_out(w, x)[:, 0], y, num_segments=4))),
+    "interleave": lambda w, x, y: jnp.mean(_out(w, x)[::-1][1::3] ** 2),
+}
+
+
+@pytest.mark.slow  # 76 compiles: test-slow, in CI
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_losses_are_exact(name, kind):
+    loss = MORE[name]
+    aux = isinstance(jax.eval_shape(loss, MW, MX, MY), tuple)
+    ref = jax.value_and_grad(loss, has_aux=aux)(MW, MX, MY)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (MX, MY))
+        got = jax.jit(lambda w, x, y: sr.value_and_grad(
+            loss, step=0, num_skip=0, has_aux=aux, min_size=0)(w, x, y))(MW, x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
