@@ -20,8 +20,9 @@ This file holds that step twice, for a line-by-line comparison:
     are computed from the logits exactly as before.
 
 ``--mesh data`` puts the 8 devices on ``data`` (SkipReduce over 8 ranks);
-``--mesh fsdp`` is lm1b's default, ``data=1, fsdp=8``: one rank, where
-``sr.value_and_grad`` is ``jax.value_and_grad`` itself. The model, state and
+``--mesh fsdp`` is lm1b's default, ``data=1, fsdp=8``: the params stay
+sharded over ``fsdp`` (FSDP), each gathered where the loss uses it, and the
+gradients' reduce-scatter over ``fsdp`` skips. The model, state and
 data are ``pjit_lm.py``'s (a logically partitioned linen Transformer over
 ``fsdp``, AdamW, padded windows of Python source)::
 
@@ -145,7 +146,10 @@ def train(variant: str, layout: str, config: Config, corpus: Any) -> list[dict[s
     mesh = make_mesh(layout)
     state, shardings = init_state(config, mesh)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-    sr_options = dict(mesh=mesh, axis_name="data", **config.skip_options)
+    # SkipReduce over the axis the batch is split over: data, or in lm1b's
+    # default layout fsdp, whose params stay sharded (FSDP).
+    sr_options = dict(mesh=mesh, axis_name="data" if mesh.shape["data"] > 1 else "fsdp",
+                      param_specs=shardings.params, **config.skip_options)
     step = jax.jit(functools.partial(STEPS[variant], sr_options=sr_options),
                    in_shardings=(shardings, batch_sharding, NamedSharding(mesh, P())),
                    out_shardings=(shardings, NamedSharding(mesh, P())),

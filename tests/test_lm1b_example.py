@@ -2,7 +2,8 @@
 
 At k = 0 the SkipReduce step equals lm1b's own step (the loss and every
 metric, the token count included, with dropout on) on both of its layouts:
-8 ranks on ``data``, and lm1b's default ``data=1, fsdp=8``. Accuracy counts
+8 ranks on ``data``, and lm1b's default ``data=1, fsdp=8`` (FSDP: SkipReduce
+over ``fsdp``, the params sharded over it). Accuracy counts
 each position whose argmax is right, so equal counts need each row's logits,
 dropout mask included, to be lm1b's. The two steps differ in one line.
 """
@@ -30,11 +31,14 @@ def test_k0_step_equals_lm1bs_step_metrics_and_counts_included(layout):
         np.testing.assert_allclose(adopted["loss"], plain["loss"], rtol=1e-5)
 
 
-def test_random_skipping_trains():
-    (history,) = lm1b_lm.main(["--mesh", "data", "--steps", "6", "--d-model", "32",
-                               "--variants", "skipreduce"]).values()
-    losses = [h["loss"] / h["denominator"] for h in history]
+@pytest.mark.parametrize("layout", ["data", "fsdp"])
+def test_random_skipping_trains(layout):
+    """On fsdp (lm1b's default) the params stay sharded: FSDP, its reduce-scatter skipped."""
+    results = lm1b_lm.main(["--mesh", layout, "--steps", "6", "--d-model", "32"])
+    losses = [h["loss"] / h["denominator"] for h in results["skipreduce"]]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    plain = results["plain"][-1]["loss"] / results["plain"][-1]["denominator"]
+    assert losses[-1] != pytest.approx(plain, rel=1e-6)  # it skipped
 
 
 def test_the_skipreduce_step_differs_in_at_most_three_lines():
