@@ -265,10 +265,11 @@ def _mlp_loss(p, batch):
 
 
 @pytest.mark.parametrize("width, options, axes, gate_open", [
-    (320, {}, ("data",), False),                           # the bias under min_size
+    pytest.param(320, {}, ("data",), False, marks=pytest.mark.slow),  # bias under min_size
     (320, {}, ("data",), True),                            # the same, the gate open
-    (32, dict(selective=sr.exclude("b"), min_size=0), ("data",), True),
-    (32, {}, ("data",), True),                             # every leaf under min_size
+    pytest.param(32, dict(selective=sr.exclude("b"), min_size=0), ("data",), True,
+                 marks=pytest.mark.slow),
+    pytest.param(32, {}, ("data",), True, marks=pytest.mark.slow),  # all under min_size
     (320, dict(inner_axis="inner"), ("data", "inner"), True),
 ], ids=["min_size", "min_size-open", "selective", "small-model", "inner_axis"])
 @pytest.mark.filterwarnings("ignore::skipreduce_jax.NothingSkippedWarning")

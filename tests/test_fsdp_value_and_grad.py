@@ -365,7 +365,11 @@ WHERE_USED = {
 }
 
 
-@pytest.mark.parametrize("name", list(WHERE_USED))
+FAST = ("scan over stacked layers", "custom_vjp on the param")
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in WHERE_USED])
 def test_fsdp_params_used_inside_control_flow_and_rules(name):
     """Blocks gathered inside scan, checkpoint, cond, jit and custom_vjp: exact."""
     loss = WHERE_USED[name]
