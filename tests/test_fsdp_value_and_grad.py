@@ -62,7 +62,7 @@ def _placed(mesh, tree, specs):
 
 
 def _run(loss, kind, *args, specs=SPECS, mesh=None, params=PARAMS, batch_spec=None,
-         **options):
+         step=3, **options):
     mesh = mesh or _mesh(kind)
     batch_spec = batch_spec or P("data")
     options.setdefault("min_size", 0)
@@ -74,10 +74,10 @@ def _run(loss, kind, *args, specs=SPECS, mesh=None, params=PARAMS, batch_spec=No
                   for a in args]
 
         @jax.jit
-        def step(p, *a):
-            return sr.value_and_grad(loss, step=jnp.int32(3), has_aux=True, **options)(p, *a)
+        def run_step(p, *a):
+            return sr.value_and_grad(loss, step=jnp.int32(step), has_aux=True, **options)(p, *a)
 
-        return step(p, *placed)
+        return run_step(p, *placed)
 
 
 def _same_layout(grads, specs):
@@ -383,3 +383,12 @@ def test_fsdp_params_used_inside_control_flow_and_rules(name):
             loss, step=0, num_skip=0, has_aux=aux, min_size=0)(p, x))(p, x)
     jax.tree.map(_close, got, ref)
     _same_layout(got[1], STACK_SPECS)
+
+
+@pytest.mark.parametrize("num_skip", [0, 4])
+def test_the_first_step_check_passes_with_fsdp_params(num_skip, capsys):
+    """check=True compares the exact step (its k=0 twin when skipping) with jax's."""
+    (value, _), _ = _run(xent, AxisType.Explicit, X, Y, num_skip=num_skip, check=True, step=0)
+    (ref_value, _), _ = jax.value_and_grad(xent, has_aux=True)(PARAMS, X, Y)
+    _close(value, ref_value)  # not NaN: no leaf differs
+    assert "first-step check" not in capsys.readouterr().err
