@@ -21,7 +21,7 @@ pytest.importorskip("flax.linen")
 lm1b_lm = pytest.importorskip("lm1b_lm")
 
 
-@pytest.mark.parametrize("layout", ["data", "fsdp"])
+@pytest.mark.parametrize("layout", ["data", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_k0_step_equals_lm1bs_step_metrics_and_counts_included(layout):
     results = lm1b_lm.main(["--mesh", layout, "--steps", "3", "--skip-ratio", "0",
                             "--d-model", "32"])
@@ -31,7 +31,8 @@ def test_k0_step_equals_lm1bs_step_metrics_and_counts_included(layout):
         np.testing.assert_allclose(adopted["loss"], plain["loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["data", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # trains both variants: test-slow, in CI
+@pytest.mark.parametrize("layout", ["data", "fsdp"])
 def test_random_skipping_trains(layout):
     """On fsdp (lm1b's default) the params stay sharded: FSDP, its reduce-scatter skipped."""
     results = lm1b_lm.main(["--mesh", layout, "--steps", "6", "--d-model", "32"])
