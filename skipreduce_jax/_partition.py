@@ -196,7 +196,7 @@ def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
     rule = _RULES.get(name)
     if rule is not None:
         return rule(eqn, vals, layouts, report)
-    if all(layout is None for layout in layouts):
+    if all(layout is None for layout in layouts) and not _user_rule(eqn):
         return _bind(eqn, vals), [None] * len(eqn.outvars)
     if name in ELEMENTWISE:
         return _elementwise(eqn, vals, layouts, report)
@@ -235,6 +235,15 @@ def _check_differentiable(eqn: Any) -> None:
             "typed for those layouts, so they cannot run on the data axis's pieces. Write "
             "the loss without setting layouts, run the step on a mesh of Auto axes, or "
             "turn the flag off.")
+
+
+def _user_rule(eqn: Any) -> bool:
+    """Whether ``eqn`` is a user's rule held as an object (``jax_custom_vjp3``).
+
+    Its forward rule is checked against the types it was traced with, so it
+    gets values typed the same on every rank, as :func:`_custom_vjp` gives.
+    """
+    return "fwd" in getattr(eqn.params.get("_prim"), "params", {})
 
 
 # ---------------------------------------------------------------- helpers

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import SCAN3
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -374,8 +375,14 @@ def test_fsdp_params_used_inside_control_flow_and_rules(name):
     """Blocks gathered inside scan, checkpoint, cond, jit and custom_vjp: exact."""
     loss = WHERE_USED[name]
     aux = isinstance(jax.eval_shape(loss, STACK, X), tuple)
-    ref = jax.value_and_grad(loss, has_aux=aux)(STACK, X)
     mesh = _mesh(AxisType.Explicit)
+    if SCAN3 and name.startswith("scan"):
+        # JAX cannot differentiate its Scan3 (no vjp_fwd): refused by name.
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match="jax_scan3"):
+            jax.jit(lambda p, x: sr.value_and_grad(loss, step=0, num_skip=0, min_size=0)(
+                p, x))(_placed(mesh, STACK, STACK_SPECS), X)
+        return
+    ref = jax.value_and_grad(loss, has_aux=aux)(STACK, X)
     with jax.set_mesh(mesh):
         p = _placed(mesh, STACK, STACK_SPECS)
         x = jax.device_put(X, NamedSharding(mesh, P("data")))

@@ -177,6 +177,11 @@ def _custom_vjp_clip(p, x, y):
     return jnp.mean(_clip_gradient(_hidden(p, x)) ** 2) + jnp.mean(_xent(p, x, y))
 
 
+def _custom_vjp_on_a_param(p, x, y):
+    # The rule on the replicated param itself, not on an activation.
+    return jnp.mean(jnp.tanh(x @ _clip_gradient(p["w"]) + p["b"]) @ p["v"])
+
+
 def _relu_at_zero(p, x, y):
     # Padding rows are zeros and the bias is zero: relu's custom rule at 0.
     x = x * MASK[:, None]
@@ -220,6 +225,7 @@ CASES = {
     "graph_pooling": (_graph_pooling, (), False),
     "halves": (_halves, (), False),
     "custom_vjp_clip": (_custom_vjp_clip, (), False),
+    "custom_vjp_on_a_param": (_custom_vjp_on_a_param, (), False),
     "relu_at_zero": (_relu_at_zero, (), False),
     "debug_print": (_debug_print, (), False),
 }
