@@ -59,6 +59,9 @@ def skip_adamw(learning_rate: float | optax.Schedule, *, axis_name: str, skip_ra
       ValueError: for a value out of range.
 
     Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import skipreduce_jax as sr
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> tx = sr.skip_adamw(1e-3, axis_name="data", skip_ratio=0.5, min_size=0)
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch @ params["w"] - 1.0) ** 2)

@@ -184,6 +184,8 @@ def check_float_dtype(value: Any, name: str, *, api: str, none: str,
     suggests ``example``, e.g. ``"jnp.float32"``.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from skipreduce_jax._checks import check_float_dtype
       >>> check_float_dtype(jnp.bfloat16, "comm_dtype", api="skip_psum",
       ...                   none="send the gradients' dtype", example="jnp.bfloat16")
       dtype(bfloat16)

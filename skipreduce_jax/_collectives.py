@@ -468,6 +468,9 @@ def ring_psum(
       The sum over the axis, the same on every rank, with ``x``'s structure.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from skipreduce_jax import ring_psum
       >>> mesh = jax.make_mesh((8,), ("data",))
       >>> f = jax.jit(jax.shard_map(lambda v: ring_psum(v, "data"), mesh=mesh,
       ...                           in_specs=P("data"), out_specs=P()))
@@ -552,6 +555,11 @@ def skip_psum(
       dtypes.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> import skipreduce_jax as sr
+      >>> from skipreduce_jax import skip_psum
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> def f(g):
       ...   return skip_psum(g, "data", key=jax.random.key(0), num_skip=4)
       >>> grads = jax.device_put(jnp.ones((8, 64)),  # row r: rank r's
@@ -647,6 +655,10 @@ def skip_pmean_and_left_out(
       every rank, ``left_out`` is this rank's own.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from skipreduce_jax import skip_pmean_and_left_out
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> def f(g):
       ...     mean, left_out = skip_pmean_and_left_out(
       ...         g, "data", key=jax.random.key(0), num_skip=1)
@@ -865,6 +877,10 @@ def skip_psum_scatter(
       hierarchical mode), varying per rank.
 
     Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from skipreduce_jax import skip_psum_scatter
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> def f(g):
       ...     return skip_psum_scatter(g, "data", key=jax.random.key(0), num_skip=0)
       >>> g = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P()))

@@ -39,6 +39,8 @@ class SkipConfig:
       ValueError, TypeError: for a setting out of range, naming it.
 
     Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import skipreduce_jax as sr
       >>> config = sr.SkipConfig(skip_ratio=0.5, min_size=0)
       >>> tx = optax.chain(sr.skip_reduce("data", config=config), optax.sgd(0.1))
       >>> round(sr.comm_stats({"w": jnp.zeros((1024, 1024))}, 8, config=config).ratio, 3)

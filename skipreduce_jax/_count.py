@@ -46,6 +46,9 @@ def mean_count(count: Any) -> Any:
       else ``count``.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import skipreduce_jax as sr
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> def loss_fn(w, batch):
       ...     x, mask = batch
       ...     return jnp.sum(mask * (x * w) ** 2) / sr.mean_count(jnp.sum(mask))

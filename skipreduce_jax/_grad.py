@@ -153,7 +153,9 @@ def value_and_grad(
         loss itself reduces over the data axis.
 
     Example:
-      >>> import optax
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import skipreduce_jax as sr
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> def loss_fn(w, x):
       ...     return jnp.mean((x @ w - 1.0) ** 2)
       >>> tx = optax.sgd(0.1)

@@ -147,6 +147,10 @@ def check_replicated(tree: PyTree, axis_name: str | tuple[str, ...]) -> jax.Arra
       A bool scalar, typed replicated.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from skipreduce_jax import check_replicated
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> f = jax.jit(jax.shard_map(lambda w: check_replicated(w, "data"),
       ...                           mesh=mesh, in_specs=P(), out_specs=P()))
       >>> bool(f(jnp.ones(4)))

@@ -292,6 +292,7 @@ def collective_traffic(compiled_text: str) -> Traffic:
     Example:
       A data-parallel gradient all-reduce of 1024 f32 over 8 devices:
 
+      >>> from skipreduce_jax import collective_traffic
       >>> text = "\n".join([
       ...     "HloModule jit_step, num_partitions=8",
       ...     "ENTRY %main (p: f32[1024]) -> f32[1024] {",

@@ -2,7 +2,8 @@
 
 Around ``skip_reduce``, optax's ``MultiSteps`` would run the ring on every
 micro-step, over an accumulator built by ``tx.init`` the same on every rank.
-:class:`MultiSteps` is optax's class with another ``update``:
+:class:`MultiSteps` holds optax's class (its public methods only) and
+has another ``update``:
 
 - ``acc_grads`` is per-rank state: one row per rank (a leading axis of size
   1 inside ``shard_map``, stacked along the data axes outside), placed by
@@ -88,17 +89,32 @@ def check_owner(tx: Any, opt_state: Any, *, api: str) -> None:
         "...), k), or accumulate with make_train_step(..., microbatches=k).")
 
 
-class MultiSteps(optax.MultiSteps):
+class MultiSteps:
     """``optax.MultiSteps`` whose ranks accumulate locally and reduce once.
 
     The same arguments, state (``optax.MultiStepsState``) and use as optax's
     class; around ``skip_reduce`` (built with :func:`init_opt_state`) each
     rank sums its own gradients and the wrapped optimizer, with its ring,
     runs once per ``every_k_schedule`` micro-steps. Around anything else it
-    is optax's ``MultiSteps``.
+    is optax's ``MultiSteps``, which it holds and calls.
+
+    Args:
+      opt: the wrapped optimizer, e.g. ``optax.chain(skip_reduce(...), ...)``.
+      every_k_schedule: micro-steps per update: a positive int, or a function
+        of the update count (``state.gradient_step``) returning one.
+      use_grad_mean: average the accumulated gradients (optax's default);
+        ``False`` sums them.
+      should_skip_update_fn: optax's ``(updates, gradient_step, params) ->
+        (bool scalar, state)``; a micro-step any rank rejects is rejected on
+        every rank.
+      **optax_options: further keywords of ``optax.MultiSteps`` (e.g.
+        ``accumulator_dtype``), passed to it.
 
     Example:
-      >>> tx = MultiSteps(optax.chain(
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import skipreduce_jax as sr
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> tx = sr.MultiSteps(optax.chain(
       ...     sr.skip_reduce("data", num_skip=0), optax.sgd(0.1)), 4)
       >>> params = sr.replicate({"w": jnp.zeros(3)}, mesh)
       >>> sr.init_opt_state(tx, params, mesh, "data").acc_grads["w"].shape
@@ -107,36 +123,57 @@ class MultiSteps(optax.MultiSteps):
 
     def __init__(self, opt: optax.GradientTransformation,
                  every_k_schedule: int | Callable[[jax.Array], jax.Array],
-                 *args: Any, **kwargs: Any):
+                 use_grad_mean: bool = True,
+                 should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+                 **optax_options: Any):
         if not callable(every_k_schedule):
             check_int(every_k_schedule, "every_k_schedule", api="MultiSteps", minimum=1,
                       allowed="a positive int (or a schedule: a function of the gradient step)")
-        super().__init__(opt, every_k_schedule, *args, **kwargs)
+        self._optax = optax.MultiSteps(opt, every_k_schedule, use_grad_mean,
+                                       should_skip_update_fn, **optax_options)
+        self.inner_opt = optax.with_extra_args_support(opt)
+        self.every_k_schedule = every_k_schedule
+        self.use_grad_mean = use_grad_mean
+        self.should_skip_update_fn = should_skip_update_fn or _never_skip
+
+    def init(self, params: Any) -> optax.MultiStepsState:
+        """Optax's state; :func:`init_opt_state` places its accumulators per rank."""
+        return self._optax.init(params)
+
+    def has_updated(self, state: optax.MultiStepsState) -> jax.Array:
+        """Whether the last ``update`` applied the wrapped optimizer."""
+        return self._optax.has_updated(state)
+
+    def gradient_transformation(self) -> optax.GradientTransformation:
+        """``init`` and ``update`` as an ``optax.GradientTransformation``."""
+        return optax.GradientTransformation(self.init, self.update)
 
     def update(self, updates: Any, state: optax.MultiStepsState, params: Any = None,
                **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
         """Optax's update, with local accumulators and one reduction per step."""
         if not is_local_accumulator(state):
-            return super().update(updates, state, params, **extra_args)
+            return self._optax.update(updates, state, params, **extra_args)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         rows = treedef.flatten_up_to(state.acc_grads)
         axes = _accumulator_axes(rows)
         _check_rows(leaves, rows, axes)
-        k_steps = self._every_k_schedule(state.gradient_step)
-        skip, skip_state = self._should_skip_update_fn(updates, state.gradient_step, params)
+        k_steps = (self.every_k_schedule(state.gradient_step) if callable(self.every_k_schedule)
+                   else self.every_k_schedule)
+        skip, skip_state = self.should_skip_update_fn(updates, state.gradient_step, params)
         if (skip.dtype, skip.shape) != (jnp.bool_, ()):
             raise ValueError(
-                "optax.MultiSteps: should_skip_update_fn must return a boolean scalar "
+                "MultiSteps: should_skip_update_fn must return a boolean scalar "
                 f"array, but it returned one of dtype {skip.dtype} and shape {skip.shape}.")
         # Each rank judged its own gradient: skip everywhere if any rank says so.
         skip, skip_state = jax.tree_util.tree_map(lambda x: _agree(x, axes), (skip, skip_state))
-        acc = treedef.unflatten([self._acc_update(g, r[0], n_acc=state.mini_step)
+        n = state.mini_step  # optax's accumulation: a running mean (Welford) or a sum
+        acc = treedef.unflatten([r[0] + (g - r[0]) / (n + 1) if self.use_grad_mean else g + r[0]
                                  for g, r in zip(leaves, rows, strict=True)])
         emit = state.mini_step == k_steps - 1
 
         def apply(acc, inner):  # the ring runs here, once per k micro-steps
-            out, new = self._opt.update(optax.tree.cast_like(acc, updates), inner,
-                                        params=params, **extra_args)
+            out, new = self.inner_opt.update(optax.tree.cast_like(acc, updates), inner,
+                                             params=params, **extra_args)
             return out, jax.tree_util.tree_map(lambda n, s: n.astype(s.dtype), new, inner)
 
         shapes, _ = jax.eval_shape(apply, acc, state.inner_opt_state)
@@ -156,6 +193,10 @@ class MultiSteps(optax.MultiSteps):
             inner_opt_state=inner,
             acc_grads=acc_rows,
             skip_state=skip_state)
+
+
+def _never_skip(*_: Any, **__: Any) -> tuple[jax.Array, tuple[()]]:
+    return jnp.array(False), ()
 
 
 def _accumulator_axes(rows: list[jax.Array]) -> tuple[str, ...]:

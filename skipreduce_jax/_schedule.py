@@ -35,6 +35,7 @@ def ring_period(axis_size: int, num_skip: int) -> int:
     """L = N / gcd(N, N - k): the steps after which balanced windows repeat.
 
     Example:
+        >>> from skipreduce_jax import ring_period
         >>> ring_period(8, 4), ring_period(8, 2), ring_period(7, 3), ring_period(8, 0)
         (2, 4, 7, 1)
     """
@@ -45,6 +46,7 @@ def scatter_period(axis_size: int, num_skip: int) -> int:
     """The same for the skipped reduce-scatter: N - 1 others, N - 1 - k summed.
 
     Example:
+        >>> from skipreduce_jax import scatter_period
         >>> scatter_period(8, 4), scatter_period(8, 0)
         (7, 1)
     """
@@ -181,6 +183,8 @@ def make_schedule(axis_size: int, *, num_skip: int, chunks_per_rank: int = 1,
             summed ranks move ``N - k`` ranks per phase. 0: the key's draw.
 
     Example:
+        >>> import jax
+        >>> from skipreduce_jax import make_schedule
         >>> s = make_schedule(4, num_skip=1, key=jax.random.key(0))
         >>> s.contribution_matrix().sum(axis=0).tolist()
         [[3], [3], [3], [3]]
@@ -250,6 +254,7 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
             (cyclically), so over the period each is summed equally often.
 
     Example:
+        >>> from skipreduce_jax import make_scatter_schedule
         >>> s = make_scatter_schedule(4, num_skip=1, randomize=False)
         >>> s.shifts.tolist(), s.contributes(0).tolist()
         ([1, 2], [True, True, True, False])
@@ -280,6 +285,7 @@ def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
         n: Number of ranks, ``>= 1``.
 
     Example:
+        >>> from skipreduce_jax.cost import skip_ratio_to_num_skip
         >>> skip_ratio_to_num_skip(0.5, 8), skip_ratio_to_num_skip(1.0, 8)
         (4, 7)
         >>> skip_ratio_to_num_skip(0.5, 4)  # 1.5 rounds up

@@ -57,6 +57,7 @@ def by_path(predicate: Callable[[str, Any], bool]) -> PathSelector:
       A selector applied to the gradient tree (no params needed).
 
     Example:
+      >>> from skipreduce_jax import by_path
       >>> sel = by_path(lambda path, leaf: "embed" not in path.lower())
       >>> sel({"embed": 1.0, "dense": 2.0})
       {'dense': True, 'embed': False}
@@ -81,6 +82,7 @@ def exclude(*patterns: str) -> PathSelector:
       ValueError: if a pattern is not a valid regular expression.
 
     Example:
+      >>> from skipreduce_jax import exclude
       >>> exclude("Embed")({"Embed_0": 1.0, "Dense_0": 2.0})
       {'Dense_0': True, 'Embed_0': False}
     """

@@ -68,6 +68,8 @@ def comm_stats(grads: PyTree, axis_size: int, *, params: PyTree = None,
         ``inner_size`` (L, the size of ``inner_axis``; required with it).
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from skipreduce_jax import comm_stats
       >>> grads = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
       >>> stats = comm_stats(grads, 8, num_skip=4, min_size=0)
       >>> round(stats.ratio, 3)  # 10/14 for large leaves without padding

@@ -25,6 +25,7 @@ def skipreduce_steps(n: int, num_skip: int = 0) -> int:
       num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
 
     Example:
+      >>> from skipreduce_jax.cost import skipreduce_steps
       >>> skipreduce_steps(8), skipreduce_steps(8, 7)
       (14, 7)
     """
@@ -38,6 +39,7 @@ def reduce_scatter_bytes(nbytes: float, n: int, num_skip: int = 0) -> float:
     ``nbytes`` is the buffer per rank, in the dtype that is sent.
 
     Example:
+      >>> from skipreduce_jax._traffic import reduce_scatter_bytes
       >>> reduce_scatter_bytes(800, 8, 3)
       400.0
     """
@@ -49,6 +51,7 @@ def all_gather_bytes(nbytes: float, n: int) -> float:
     """``(n - 1) * nbytes / n``: a ring all-gather of an ``nbytes`` result.
 
     Example:
+      >>> from skipreduce_jax._traffic import all_gather_bytes
       >>> all_gather_bytes(800, 8)
       700.0
     """
@@ -65,6 +68,7 @@ def skipreduce_bytes(nbytes: float, n: int, num_skip: int) -> float:
       num_skip: Skipped reduce-scatter steps, in ``[0, n - 1]``.
 
     Example:
+      >>> from skipreduce_jax.cost import skipreduce_bytes
       >>> skipreduce_bytes(800, 8, 3)
       1100.0
       >>> skipreduce_bytes(800, 8, 7)  # all-gather only
@@ -79,6 +83,7 @@ def ring_allreduce_bytes(nbytes: float, n: int) -> float:
     As :func:`skipreduce_bytes` with ``num_skip = 0``.
 
     Example:
+      >>> from skipreduce_jax.cost import ring_allreduce_bytes
       >>> ring_allreduce_bytes(800, 8)
       1400.0
     """
@@ -96,6 +101,7 @@ def traffic_fraction(n: int, num_skip: int) -> float:
       ``(2 * (n - 1) - num_skip) / (2 * (n - 1))``, between 0.5 and 1.
 
     Example:
+      >>> from skipreduce_jax.cost import traffic_fraction
       >>> traffic_fraction(8, 7)
       0.5
       >>> traffic_fraction(5, 2)
@@ -120,6 +126,7 @@ def hierarchical_bytes(nbytes: float, n_outer: int, n_inner: int, num_skip: int
       over ``n_inner``, and :func:`skipreduce_bytes` of ``nbytes / n_inner`` over ``n_outer``.
 
     Example:
+      >>> from skipreduce_jax.cost import hierarchical_bytes
       >>> hierarchical_bytes(800, 4, 2, 0)
       (800.0, 600.0)
     """

@@ -218,6 +218,9 @@ def shard_params(params: PyTree, mesh: jax.sharding.Mesh,
     for ``skip_reduce(outer, inner_axis=inner, params_sharded=True)``.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from skipreduce_jax import shard_params
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> p = shard_params({"w": jnp.zeros((16, 4)), "b": jnp.zeros(3)}, mesh)
       >>> p["w"].sharding.spec, p["b"].sharding.spec
       (P('data',), P(None,))
@@ -282,6 +285,10 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree,
         itself (made by ``.gradient_transformation()``, inside ``optax.chain``).
 
     Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import skipreduce_jax as sr
+      >>> from skipreduce_jax import init_opt_state, replicate, state_specs
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> tx = sr.MultiSteps(optax.chain(
       ...     sr.skip_reduce("data", num_skip=0), optax.sgd(0.1)), 4)
       >>> params = replicate({"w": jnp.zeros(3)}, mesh)

@@ -233,6 +233,10 @@ def skip_reduce(
       :class:`SkipReduceState`.
 
     Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from skipreduce_jax import skip_reduce
+      >>> mesh = jax.make_mesh((8,), ("data",))
       >>> tx = optax.chain(skip_reduce("data", skip_ratio=0.5, min_size=0),
       ...                  optax.sgd(0.1))
       >>> params = {"w": jnp.zeros(64)}

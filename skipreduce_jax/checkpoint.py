@@ -134,6 +134,7 @@ def save(directory: str | os.PathLike[str], step: int, params: PyTree, opt_state
         it) or not newer than the latest saved step.
 
     Example:
+      >>> from skipreduce_jax.checkpoint import save
       >>> save("/tmp/run1", 100, params, opt_state)  # doctest: +SKIP
     """
     step = checks.check_int(step, "step", api="checkpoint.save", minimum=0,
@@ -341,6 +342,7 @@ def restore(directory: str | os.PathLike[str], *, params_like: PyTree, opt_state
         the checkpoint (each named by path); if the step's files are damaged.
 
     Example:
+      >>> from skipreduce_jax.checkpoint import restore
       >>> step, params, opt_state = restore(
       ...     "/tmp/run1", params_like=params, opt_state_like=opt_state)
       ...     # doctest: +SKIP

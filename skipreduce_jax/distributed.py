@@ -91,6 +91,7 @@ def launcher_env_present(environ: Mapping[str, str] | None = None) -> bool:
         variables are then required by :func:`initialize`).
 
     Example:
+        >>> from skipreduce_jax.distributed import launcher_env_present
         >>> launcher_env_present({"SKIPREDUCE_COORDINATOR": "127.0.0.1:1234"})
         True
     """
@@ -188,6 +189,7 @@ def process_info() -> ProcessInfo:
         yet, so call :func:`initialize` before.
 
     Example:
+        >>> from skipreduce_jax import process_info
         >>> info = process_info()
         >>> info.process_index < info.process_count
         True

@@ -33,6 +33,31 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 6
 
 
+# A block's expected output: a comment ``# prints: <a line it prints>``.
+PRINTS = re.compile(r"^\s*# prints: (.+)$", re.M)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?")
+
+
+def _matches(expected: str, line: str) -> bool:
+    """``line`` is ``expected``, its numbers equal to the printed digits' last place."""
+    pattern = "".join(re.escape(part) + ("(" + NUMBER.pattern + ")" if i < len(
+        NUMBER.findall(expected)) else "") for i, part in enumerate(NUMBER.split(expected)))
+    found = re.fullmatch(pattern, line.strip())
+    if found is None:
+        return False
+    for want, got in zip(NUMBER.findall(expected), found.groups(), strict=True):
+        decimals = len(want.partition(".")[2]) if "e" not in want else 6
+        if abs(float(got) - float(want)) > 10.0 ** -decimals * 1.01 + 1e-2 * abs(float(want)):
+            return False
+    return True
+
+
+def test_expected_output_is_checked():
+    assert _matches("loss 0.25, rows (256,)", "loss 0.26, rows (256,)")
+    assert not _matches("loss 0.25, rows (256,)", "loss 0.30, rows (256,)")
+    assert not _matches("loss 0.25, rows (256,)", "loss 0.25, rows (128,)")
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_readme_example_runs(name, tmp_path):
     script = tmp_path / "example.py"
@@ -41,3 +66,22 @@ def test_readme_example_runs(name, tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for expected in PRINTS.findall(BLOCKS[name]):
+        assert any(_matches(expected, line) for line in lines), (
+            f"expected a line {expected!r}; printed:\n{result.stdout[-2000:]}")
+
+
+GUIDES = [ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
+def test_every_guide_opens_with_a_block_and_its_output(page):
+    """Within its first 80 words of prose, a runnable block that says what it prints."""
+    text = page.read_text()
+    first = text.find("```python\n")
+    assert first >= 0, f"{page.name} has no python block"
+    prose = re.sub(r"```.*?```", "", text[:first], flags=re.S)
+    assert len(prose.split()) <= 80, f"{page.name}: {len(prose.split())} words before its code"
+    block = re.match(r"```python\n(.*?)```", text[first:], flags=re.S).group(1)
+    assert PRINTS.search(block), f"{page.name}'s first block has no '# prints:' line"

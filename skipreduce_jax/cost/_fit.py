@@ -53,6 +53,7 @@ class Measurement:
             with ``num_skip`` skipped steps.
 
     Example:
+        >>> from skipreduce_jax.cost import Measurement
         >>> m = Measurement(n=8, num_skip=4, nbytes=800, seconds=1e-3)
         >>> m.steps, m.wire_bytes
         (10, 1000.0)
@@ -95,6 +96,7 @@ class Measurement:
         """Returns the record as a JSON-serialisable dict.
 
         Example:
+            >>> from skipreduce_jax.cost import Measurement
             >>> Measurement(4, 1, 1000, 0.5).to_dict()
             {'n': 4, 'num_skip': 1, 'nbytes': 1000, 'seconds': 0.5, 'kind': 'skip'}
         """
@@ -110,6 +112,7 @@ class Measurement:
                 ``'skip'``, default 0 otherwise). Other keys are ignored.
 
         Example:
+            >>> from skipreduce_jax.cost import Measurement
             >>> Measurement.from_dict({"n": 4, "nbytes": 8, "seconds": 1, "kind": "psum"})
             Measurement(n=4, num_skip=0, nbytes=8, seconds=1.0, kind='psum')
         """
@@ -151,6 +154,7 @@ def load_measurements(json_path: str | os.PathLike[str]) -> list[Measurement]:
         The measurements in file order.
 
     Example:
+        >>> from skipreduce_jax.cost import load_measurements
         >>> load_measurements("bench.json")  # doctest: +SKIP
         [Measurement(n=8, num_skip=0, nbytes=4000000, seconds=0.0041, kind='ring'), ...]
     """
@@ -175,6 +179,7 @@ def save_measurements(json_path: str | os.PathLike[str],
         measurements: Records to write.
 
     Example:
+        >>> from skipreduce_jax.cost import Measurement, save_measurements
         >>> ms = [Measurement(8, 0, 4000000, 0.0041, "ring")]
         >>> save_measurements("bench.json", ms)  # doctest: +SKIP
     """
@@ -192,6 +197,7 @@ def predict_measurement(model: LinkModel, measurement: Measurement) -> float:
         ``model.time(measurement.steps, measurement.wire_bytes)``.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, Measurement, predict_measurement
         >>> predict_measurement(LinkModel(0.0, 1e3), Measurement(8, 4, 800, 1.0))
         1.0
     """
@@ -235,6 +241,8 @@ def fit_link_model(measurements: Sequence[Measurement], *,
             constant or per-step time) explains the points better.
 
     Example:
+        >>> from skipreduce_jax.cost import (
+        ...     LinkModel, Measurement, fit_link_model, predict_measurement)
         >>> import dataclasses
         >>> true = LinkModel(alpha=2e-5, bandwidth=1e10, call_overhead=1e-4)
         >>> pts = [Measurement(8, k, b, 1.0) for k in (0, 7) for b in (1e4, 1e8)]
@@ -317,6 +325,7 @@ def validate(model: LinkModel, measurements: Iterable[Measurement]) -> list[Vali
         One :class:`Validation` ``(measurement, predicted, rel_error)`` per point.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, Measurement, validate
         >>> round(validate(LinkModel(0.0, 1e3), [Measurement(8, 4, 800, 0.8)])[0].rel_error, 12)
         0.25
     """

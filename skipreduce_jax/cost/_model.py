@@ -75,6 +75,7 @@ class LinkModel:
         call_overhead: Constant cost of one call in seconds, ``>= 0``.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel
         >>> link = LinkModel.from_gbit(100, alpha=10e-6)
         >>> link.bandwidth
         12500000000.0
@@ -106,6 +107,7 @@ class LinkModel:
             The link model, with ``bandwidth = gbit_per_s * 1e9 / 8`` bytes/s.
 
         Example:
+            >>> from skipreduce_jax.cost import LinkModel
             >>> LinkModel.from_gbit(400).bandwidth
             50000000000.0
         """
@@ -124,6 +126,7 @@ class LinkModel:
             The link model, with ``bandwidth = gbyte_per_s * 1e9`` bytes/s.
 
         Example:
+            >>> from skipreduce_jax.cost import LinkModel
             >>> LinkModel.from_gbyte(25).bandwidth
             25000000000.0
         """
@@ -142,6 +145,7 @@ class LinkModel:
             ``call_overhead + steps * alpha + nbytes / bandwidth`` in seconds.
 
         Example:
+            >>> from skipreduce_jax.cost import LinkModel
             >>> LinkModel(alpha=1e-6, bandwidth=1e9, call_overhead=5e-6).time(4, 1e6)
             0.001009
         """
@@ -153,6 +157,7 @@ class LinkModel:
         """Returns the constants as a JSON-serialisable dict.
 
         Example:
+            >>> from skipreduce_jax.cost import LinkModel
             >>> LinkModel(alpha=1e-6, bandwidth=1e9).to_dict()
             {'alpha': 1e-06, 'bandwidth': 1000000000.0, 'call_overhead': 0.0}
         """
@@ -167,6 +172,7 @@ class LinkModel:
                 optionally ``call_overhead``; other keys are ignored.
 
         Example:
+            >>> from skipreduce_jax.cost import LinkModel
             >>> LinkModel.from_dict({"alpha": 0, "bandwidth": 1e9}).bandwidth
             1000000000.0
         """
@@ -194,6 +200,7 @@ def save_link_model(path: str | os.PathLike[str], model: LinkModel) -> None:
         model: The model to write.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, save_link_model
         >>> save_link_model("link.json", LinkModel.from_gbit(100))  # doctest: +SKIP
     """
     write_json(path, {"model": model.to_dict()})
@@ -222,6 +229,7 @@ def load_link_model(path: str | os.PathLike[str]) -> LinkModel:
         path: File to read.
 
     Example:
+        >>> from skipreduce_jax.cost import load_link_model
         >>> load_link_model("link.json")  # doctest: +SKIP
         LinkModel(alpha=1e-05, bandwidth=12500000000.0, call_overhead=0.0)
     """
@@ -249,6 +257,7 @@ def predict_skipreduce(nbytes: float, n: int, num_skip: int, link: LinkModel) ->
         Seconds: ``call_overhead + (2 (n - 1) - k) * (alpha + nbytes / (n * bandwidth))``.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, predict_skipreduce
         >>> round(predict_skipreduce(1e9, 8, 7, LinkModel.from_gbit(100)), 9)
         0.07
     """
@@ -268,6 +277,7 @@ def predict_allreduce(nbytes: float, n: int, link: LinkModel) -> float:
         Seconds: ``call_overhead + 2 (n - 1) alpha + 2 (n - 1) / n * nbytes / bandwidth``.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, predict_allreduce
         >>> round(predict_allreduce(1e9, 8, LinkModel.from_gbit(100)), 9)
         0.14
     """
@@ -307,6 +317,7 @@ def predict_hierarchical(nbytes: float, n_outer: int, n_inner: int, num_skip: in
         Seconds for the three calls together.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, predict_hierarchical
         >>> slow, fast = LinkModel.from_gbit(100), LinkModel.from_gbit(800)
         >>> round(predict_hierarchical(1e9, 4, 8, 3, slow, fast), 6)
         0.025
@@ -322,6 +333,7 @@ def predict_hierarchical_allreduce(nbytes: float, n_outer: int, n_inner: int,
     result, in seconds, equals ``predict_hierarchical(..., num_skip=0, ...)``.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, predict_hierarchical_allreduce
         >>> slow, fast = LinkModel.from_gbit(100), LinkModel.from_gbit(800)
         >>> round(predict_hierarchical_allreduce(1e9, 4, 8, slow, fast), 6)
         0.0325
@@ -361,6 +373,7 @@ def required_num_skip(nbytes: float, n: int, link: LinkModel,
         (:func:`required_skip_ratio`).
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, required_num_skip
         >>> link = LinkModel.from_gbit(100)
         >>> required_num_skip(1e9, 8, link, 0.1), required_num_skip(1e9, 8, link, 0.05)
         (4, None)
@@ -384,6 +397,7 @@ def required_skip_ratio(nbytes: float, n: int, link: LinkModel,
         target cannot be met.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, required_skip_ratio
         >>> required_skip_ratio(1e9, 8, LinkModel.from_gbit(100), 0.1)
         0.5714285714285714
     """
@@ -406,6 +420,7 @@ def required_num_skip_hierarchical(nbytes: float, n_outer: int, n_inner: int,
         ``predict_hierarchical(...) <= target_seconds``, or None.
 
     Example:
+        >>> from skipreduce_jax.cost import LinkModel, required_num_skip_hierarchical
         >>> slow, fast = LinkModel.from_gbit(100), LinkModel.from_gbit(800)
         >>> required_num_skip_hierarchical(1e9, 4, 8, slow, fast, 0.031)
         1
