@@ -37,7 +37,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
 # Shown by name on the API pages (both are described in api/index).
-autodoc_type_aliases = {"PyTree": "PyTree", "DTypeLike": "jax.typing.DTypeLike"}
+autodoc_type_aliases = {"PyTree": "PyTree", "DTypeLike": "jax.typing.DTypeLike",
+                        "Filter": "flax.nnx.filterlib.Filter"}
 # A page per public name (docs/api/generated/, written at build time).
 autosummary_generate = True
 autosummary_imported_members = True

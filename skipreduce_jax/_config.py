@@ -11,7 +11,8 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -19,8 +20,35 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
 from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._selection import check_selective
+from skipreduce_jax._types import DTypeLike, PyTree
 
 _API = "skip_reduce"
+
+
+class SkipOptions(TypedDict, total=False):
+    """The keywords of :class:`SkipConfig`, as ``**skip_options`` takes them.
+
+    Each is described at :func:`skip_reduce`.
+    """
+
+    num_skip: int | None
+    skip_ratio: float | None
+    seed: int
+    randomize: bool
+    balanced: bool
+    selective: Callable[[PyTree], PyTree] | None
+    min_size: int
+    warmup_steps: int
+    error_feedback: bool | str
+    exact_radial: bool | None
+    chunks_per_rank: int | None
+    bucket_bytes: int
+    accumulate_dtype: DTypeLike | None
+    check_finite: bool
+    params_sharded: bool
+    verify_sync: bool
+    comm_dtype: DTypeLike | None
+    layout: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +80,18 @@ class SkipConfig:
     seed: int = 0
     randomize: bool = True
     balanced: bool = True
-    selective: Any = None
+    selective: Callable[[PyTree], PyTree] | None = None
     min_size: int = 100_000
     warmup_steps: int = 0
     error_feedback: bool | str = False
     exact_radial: bool | None = None
     chunks_per_rank: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    accumulate_dtype: Any = None
+    accumulate_dtype: DTypeLike | None = None
     check_finite: bool = False
     params_sharded: bool = False
     verify_sync: bool = False
-    comm_dtype: Any = None
+    comm_dtype: DTypeLike | None = None
     layout: str = "flat"
 
     def __post_init__(self):

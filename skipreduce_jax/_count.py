@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -23,7 +24,7 @@ _AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "skipreduce_count_axes", default=None)
 
 
-def mean_count(count: Any) -> Any:
+def mean_count(count: jax.Array) -> jax.Array:
     """A batch's count as a loss that divides by it must see it on each rank.
 
     A loss that divides a sum by a count taken from its batch (tokens that

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from skipreduce_jax._types import PyTree
+
 MEMORY = 0.05
 OVERSHOOT = 0.5
 NONLINEAR = 0.1
@@ -51,8 +53,8 @@ class FeedbackGateState(NamedTuple):
         of the last step and of the gradient delivered last.
     """
 
-    skip: Any
-    previous: Any
+    skip: PyTree
+    previous: PyTree
     overshooting: jax.Array
     nonlinear: jax.Array
     last_step: jax.Array

@@ -20,7 +20,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
-from skipreduce_jax._config import skip_config
+from skipreduce_jax._config import SkipOptions, skip_config
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import AxisNames, check_batch, mesh_axes, positions
 from skipreduce_jax._partition import Lazy, PartitionReport, evaluate, settled, take, varying
@@ -45,6 +45,7 @@ from skipreduce_jax._transform import (
     skip_reduce,
 )
 from skipreduce_jax._transform import _update as skip_update
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
@@ -61,7 +62,7 @@ _OPTAX_ROUTE = (
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., jax.Array | tuple[jax.Array, PyTree]],
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     axis_name: AxisNames | None = None,
     *,
@@ -69,12 +70,12 @@ def value_and_grad(
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
-    param_specs: Any = None,
+    param_specs: PyTree | None = None,
     microbatches: int = 1,
     check: bool = False,
     config: SkipConfig | None = None,
-    **skip_options: Any,
-) -> Callable[..., Any]:
+    **skip_options: Unpack[SkipOptions],
+) -> Callable[..., tuple[jax.Array | tuple[jax.Array, PyTree], PyTree]]:
     """``jax.value_and_grad`` whose gradient all-reduce is SkipReduce.
 
     Use it inside your own ``jax.jit`` step in place of

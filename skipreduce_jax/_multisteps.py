@@ -30,6 +30,7 @@ from jax import lax
 
 from skipreduce_jax._checks import check_int
 from skipreduce_jax._per_rank import per_rank_fields, per_rank_zeros
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
 
@@ -136,7 +137,7 @@ class MultiSteps:
         self.use_grad_mean = use_grad_mean
         self.should_skip_update_fn = should_skip_update_fn or _never_skip
 
-    def init(self, params: Any) -> optax.MultiStepsState:
+    def init(self, params: PyTree) -> optax.MultiStepsState:
         """Optax's state; :func:`init_opt_state` places its accumulators per rank."""
         return self._optax.init(params)
 
@@ -148,8 +149,8 @@ class MultiSteps:
         """``init`` and ``update`` as an ``optax.GradientTransformation``."""
         return optax.GradientTransformation(self.init, self.update)
 
-    def update(self, updates: Any, state: optax.MultiStepsState, params: Any = None,
-               **extra_args: Any) -> tuple[Any, optax.MultiStepsState]:
+    def update(self, updates: PyTree, state: optax.MultiStepsState, params: PyTree | None = None,
+               **extra_args: Any) -> tuple[PyTree, optax.MultiStepsState]:
         """Optax's update, with local accumulators and one reduction per step."""
         if not is_local_accumulator(state):
             return self._optax.update(updates, state, params, **extra_args)

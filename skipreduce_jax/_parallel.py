@@ -25,6 +25,7 @@ from skipreduce_jax._count import counting_over, global_count
 from skipreduce_jax._guards import callback_error, host_checks_traced
 from skipreduce_jax._per_rank import per_rank_names
 from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, mark, tracing_for_replay
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import varying_axes
 
 AxisNames = str | tuple[str, ...]
@@ -42,7 +43,7 @@ class PerRank(NamedTuple):
       value: a pytree of arrays.
     """
 
-    value: Any
+    value: PyTree
 
     per_rank_fields = ("value",)
 

@@ -72,7 +72,7 @@ def to_varying(tree: PyTree, axis_name: AxisNames) -> PyTree:
 
 
 def local_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., jax.Array | tuple[jax.Array, PyTree]],
     axis_name: AxisNames,
     *,
     argnums: int | Sequence[int] = 0,
@@ -149,7 +149,7 @@ def _refuse_nnx(arg: Any) -> None:
 
 
 def local_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., jax.Array | tuple[jax.Array, PyTree]],
     axis_name: AxisNames,
     *,
     argnums: int | Sequence[int] = 0,
@@ -347,7 +347,7 @@ def check_settings_agree(opt_state: PyTree, mesh: jax.sharding.Mesh) -> None:
 
 
 def make_train_step(
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
     tx: optax.GradientTransformation,
     mesh: jax.sharding.Mesh,
     axis_name: AxisNames = "data",
@@ -355,7 +355,7 @@ def make_train_step(
     donate: bool = True,
     microbatches: int = 1,
     gather: str = "whole",
-) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
+) -> Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree, jax.Array]]:
     """Builds the jitted data-parallel training step.
 
     ``step(params, opt_state, batch) -> (params, opt_state, loss)``: each

@@ -80,7 +80,7 @@ class SkipReduceState(NamedTuple):
     count: jax.Array
     key: jax.Array
     fingerprint: jax.Array
-    residual: Any
+    residual: PyTree
 
     # Placed per rank by skipreduce_jax.state_specs.
     per_rank_fields = ("residual",)

@@ -33,28 +33,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import optax
 from flax import nnx
+from flax.nnx.filterlib import Filter
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
+from skipreduce_jax._config import SkipConfig, SkipOptions
 from skipreduce_jax._grad import build
 from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import AxisNames, as_tuple, build_step, positions, rank_key
 from skipreduce_jax._shards import spec_axes
 from skipreduce_jax._training import init_opt_state, per_rank_value_and_grad, to_varying
+from skipreduce_jax._types import PyTree
 
 __all__ = ["data_parallel", "init_optimizer", "local_value_and_grad", "value_and_grad"]
 
 
 def local_value_and_grad(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., jax.Array | tuple[jax.Array, PyTree]],
     axis_name: AxisNames = "data",
     *,
-    wrt: Any = nnx.Param,
+    wrt: Filter = nnx.Param,
     has_aux: bool = False,
     rank_rngs: bool = True,
 ) -> Callable[..., Any]:
@@ -140,19 +143,19 @@ def _on_model(loss_fn: Callable[..., Any], wrt: Any, axes: tuple[str, ...], has_
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., jax.Array | tuple[jax.Array, PyTree]],
     mesh: jax.sharding.Mesh | None = None,
     axis_name: AxisNames | None = None,
     *,
     step: int | jax.Array | optax.MultiStepsState,
-    wrt: Any = nnx.Param,
+    wrt: Filter = nnx.Param,
     has_aux: bool = False,
     batch_argnums: int | Sequence[int] | None = None,
     rank_rngs: bool = True,
-    param_specs: Any = None,
-    config: Any = None,
-    **skip_options: Any,
-) -> Callable[..., Any]:
+    param_specs: PyTree | None = None,
+    config: SkipConfig | None = None,
+    **skip_options: Unpack[SkipOptions],
+) -> Callable[..., tuple[jax.Array | tuple[jax.Array, PyTree], nnx.State]]:
     """``nnx.value_and_grad`` whose gradient all-reduce is SkipReduce.
 
     Use it inside your ``nnx.jit`` step in place of ``nnx.value_and_grad``.
@@ -240,12 +243,12 @@ def _metadata_specs(params: Any, mesh: Any) -> Any:
 
 
 def init_optimizer(
-    model: Any,
+    model: nnx.Module,
     tx: optax.GradientTransformation,
     mesh: jax.sharding.Mesh,
     axis_name: AxisNames = "data",
     *,
-    wrt: Any = nnx.Param,
+    wrt: Filter = nnx.Param,
 ) -> nnx.Optimizer:
     """``nnx.Optimizer(model, tx, wrt=wrt)`` whose state is built per rank.
 

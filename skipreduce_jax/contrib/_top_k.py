@@ -41,7 +41,7 @@ class TopKState(NamedTuple):
     """
 
     count: jax.Array
-    memory: Any
+    memory: PyTree
 
     # Placed per rank by skipreduce_jax.state_specs.
     per_rank_fields = ("memory",)
