@@ -88,6 +88,7 @@ $(DOCS_STAMP): pyproject.toml
 # results in docs/_data/ and from the library's own schedule code.
 figures: $(DOCS_STAMP)
 	$(DOCS_PY) docs/figures.py
+	$(DOCS_PY) docs/gallery/run.py
 
 docs: figures
 	$(DOCS_VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     _setup(args.ranks)
     import convergence
 
-    from skipreduce_jax._schedule import skip_ratio_to_num_skip
+    from skipreduce_jax._traffic import skip_ratio_to_num_skip
 
     k = skip_ratio_to_num_skip(args.skip_ratio, args.ranks)
     rows = []

@@ -18,8 +18,8 @@ import numpy as np
 
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
-from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._selection import check_selective
+from skipreduce_jax._traffic import skip_ratio_to_num_skip
 from skipreduce_jax._types import DTypeLike, PyTree
 
 _API = "skip_reduce"

@@ -17,14 +17,13 @@ feedback of the optax transformation and the tests all ask this one object.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from skipreduce_jax._checks import check_bool, check_int, check_real
+from skipreduce_jax._checks import check_bool, check_int
 
 # The default granularity: the smallest sub-chunk, the most sub-chunks per slot.
 MIN_SUBCHUNK_ELEMENTS = 256
@@ -270,35 +269,3 @@ def make_scatter_schedule(axis_size: int, *, num_skip: int,
     else:
         shifts = jnp.arange(1, sends + 1, dtype=jnp.int32)
     return ScatterSchedule(axis_size, num_skip, randomized, shifts)
-
-
-def skip_ratio_to_num_skip(skip_ratio: float, n: int) -> int:
-    """Converts a skip ratio into a number of skipped steps ``k``.
-
-    The rule rounds half up: ``k = floor(skip_ratio * (n - 1) + 0.5)``, clipped
-    to ``[0, n - 1]``. The ratio is read as the nearest fraction with a
-    denominator up to ``max(10**6, n - 1)``, so decimal ratios round as written.
-
-    Args:
-        skip_ratio: Fraction of the ``n - 1`` reduce-scatter steps to skip, in
-            ``[0, 1]``.
-        n: Number of ranks, ``>= 1``.
-
-    Example:
-        >>> from skipreduce_jax.cost import skip_ratio_to_num_skip
-        >>> skip_ratio_to_num_skip(0.5, 8), skip_ratio_to_num_skip(1.0, 8)
-        (4, 7)
-        >>> skip_ratio_to_num_skip(0.5, 4)  # 1.5 rounds up
-        2
-        >>> skip_ratio_to_num_skip(0.7, 46)  # 31.5, also in decimal ratios
-        32
-    """
-    n = check_int(n, "n", minimum=1)
-    r = check_real(skip_ratio, "skip_ratio")
-    if r > 1:
-        raise ValueError(f"skip_ratio must be in [0, 1], got {skip_ratio!r}")
-    # The ratio meant (0.7 is 7/10, not the float next to it), so that 0.7 of
-    # 45 steps, 31.5, rounds up; denominators up to n - 1 keep k / (n - 1) exact.
-    exact = fractions.Fraction(float(r)).limit_denominator(max(10**6, n - 1))
-    k = math.floor(exact * (n - 1) + fractions.Fraction(1, 2))
-    return min(max(k, 0), n - 1)

@@ -26,9 +26,9 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
-from skipreduce_jax._schedule import skip_ratio_to_num_skip as skip_ratio_to_num_skip
 from skipreduce_jax._traffic import hierarchical_bytes as hierarchical_bytes
 from skipreduce_jax._traffic import ring_allreduce_bytes as ring_allreduce_bytes
+from skipreduce_jax._traffic import skip_ratio_to_num_skip as skip_ratio_to_num_skip
 from skipreduce_jax._traffic import skipreduce_bytes as skipreduce_bytes
 from skipreduce_jax._traffic import skipreduce_steps as skipreduce_steps
 from skipreduce_jax._traffic import traffic_fraction as traffic_fraction

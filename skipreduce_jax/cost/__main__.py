@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._schedule import skip_ratio_to_num_skip
 from skipreduce_jax._traffic import (
     hierarchical_bytes,
     ring_allreduce_bytes,
+    skip_ratio_to_num_skip,
     skipreduce_bytes,
     skipreduce_steps,
     traffic_fraction,
