@@ -54,9 +54,11 @@ def _inventory(name: str) -> str:
     """Writes docs/_inventories/<name>.txt as a Sphinx inventory; returns its path.
 
     The site is built without network access, so the inventories of JAX,
-    optax and flax are not downloaded: each text file lists the objects these
-    pages refer to (``name domain:role uri``, ``$`` standing for the name),
-    and intersphinx reads the inventory built from it.
+    optax and flax are not downloaded: each text file lists the entries of
+    that site's ``objects.inv`` these pages use, as its documentation
+    sources define them (``name domain:role uri``, ``$`` standing for the
+    name; the file's notes say which sources), and intersphinx reads the
+    inventory built from it.
     """
     source = DOCS / "_inventories" / f"{name}.txt"
     lines = [line.split() for line in source.read_text().splitlines()
@@ -74,6 +76,7 @@ intersphinx_mapping = {
     "jax": ("https://docs.jax.dev/en/latest/", _inventory("jax")),
     "optax": ("https://optax.readthedocs.io/en/latest/", _inventory("optax")),
     "flax": ("https://flax.readthedocs.io/en/latest/", _inventory("flax")),
+    "flax_linen": ("https://flax-linen.readthedocs.io/en/latest/", _inventory("flax_linen")),
 }
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
@@ -102,7 +105,33 @@ def _fields_by_name(app, domain, objtype, contentnode):
             text.parent.replace(text, nodes.Text(_spelled(str(text))))
 
 
+# Inline code naming an API (``jax.jit``, `lax.psum(x, "data")`, `sr.skip_reduce`)
+# links to its entry, here or in JAX's, optax's or flax's docs (the
+# inventories above); a name found nowhere stays plain code.
+_LINKABLE = re.compile(r"(jax|lax|jnp|optax|flax|nnx|nn|sr|skipreduce_jax)((?:\.\w+)+)(?:\(.*\))?")
+_PREFIXES = {"lax": "jax.lax", "jnp": "jax.numpy", "nnx": "flax.nnx", "nn": "flax.linen",
+             "sr": "skipreduce_jax"}
+
+
+def _link_code(app, doctree):
+    from docutils import nodes
+    from sphinx.addnodes import pending_xref
+
+    for literal in list(doctree.findall(nodes.literal)):
+        if isinstance(literal.parent, (nodes.reference, pending_xref)):
+            continue
+        found = _LINKABLE.fullmatch(literal.astext().strip())
+        if found is None:
+            continue
+        target = _PREFIXES.get(found.group(1), found.group(1)) + found.group(2)
+        ref = pending_xref("", refdomain="py", reftype="obj", reftarget=target,
+                           refexplicit=True, refwarn=False)
+        literal.replace_self(ref)
+        ref += literal
+
+
 def setup(app):
     """Connects the handlers above."""
     app.connect("autodoc-process-signature", _signature_by_name)
     app.connect("object-description-transform", _fields_by_name, priority=900)
+    app.connect("doctree-read", _link_code)

@@ -115,3 +115,32 @@ def test_internal_links_resolve(page):
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: broken links {broken}"
+
+
+INVENTORIES = sorted((ROOT / "docs" / "_inventories").glob("*.txt"))
+
+
+def _resolve(name: str):
+    """The object ``name`` spells, importing its longest module prefix."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=lambda p: p.stem)
+def test_the_offline_inventories_name_what_the_installed_packages_hold(inventory):
+    """Each entry of docs/_inventories names a real object (no typo sends a link astray)."""
+    lines = [line.split() for line in inventory.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert lines
+    for name, role, uri in lines:
+        assert role.startswith("py:") and not uri.startswith("http"), (name, role, uri)
+        if name.startswith(("flax", "optax", "jax")):
+            _resolve(name)
