@@ -34,14 +34,18 @@ from jax.sharding import PartitionSpec as P
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _shards
 from skipreduce_jax._config import SkipOptions, skip_config
+from skipreduce_jax._gate import FeedbackGateState
 from skipreduce_jax._micro import accumulate
 from skipreduce_jax._parallel import AxisNames, check_batch, mesh_axes, positions
 from skipreduce_jax._partition import Lazy, PartitionReport, evaluate, settled, take, varying
 from skipreduce_jax._replay import tracing_markers
+from skipreduce_jax._training import init_opt_state, state_specs
 from skipreduce_jax._transform import (
     NothingSkippedWarning,
     SkipConfig,
+    SkipReduceState,
     _Config,
+    gated_update,
     skip_reduce,
 )
 from skipreduce_jax._transform import _update as skip_update
@@ -49,16 +53,6 @@ from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import varying_axes
 
 _API = "value_and_grad"
-# Options that keep state from step to step, which a stateless entry point
-# cannot carry, and what to do instead.
-_STATEFUL = {
-    "error_feedback": "error_feedback (True or \"auto\") keeps a residual per rank",
-    "inner_axis": "inner_axis is given here as axis_name=(outer, inner)",
-}
-_OPTAX_ROUTE = (
-    "Use the optax route, which carries state: optax.chain(skip_reduce(...), "
-    "...) in make_train_step, or in a data_parallel step with "
-    "local_value_and_grad and init_opt_state.")
 
 
 def value_and_grad(
@@ -74,6 +68,7 @@ def value_and_grad(
     microbatches: int = 1,
     check: bool = False,
     config: SkipConfig | None = None,
+    state: PyTree | None = None,
     **skip_options: Unpack[SkipOptions],
 ) -> Callable[..., tuple[jax.Array | tuple[jax.Array, PyTree], PyTree]]:
     """``jax.value_and_grad`` whose gradient all-reduce is SkipReduce.
@@ -98,9 +93,10 @@ def value_and_grad(
     - The grads are identical on every rank, in the params' layouts.
     - Under Explicit axes run the step under ``jax.set_mesh(mesh)``; a loss
       written for them (``reshard``, ``out_sharding=``) runs as written.
-    - It keeps no state: the key and warm-up come from ``seed`` and
-      ``step``, as :func:`skip_reduce` derives them from its count; options
-      that carry state (``error_feedback``) are refused.
+    - The key and warm-up come from ``seed`` and ``step``, as
+      :func:`skip_reduce` derives them from its count. Error feedback
+      (``error_feedback=True`` or ``"auto"``) keeps a residual per rank:
+      your loop carries it as ``state`` (below).
 
     Args:
       fun: the loss, as for ``jax.value_and_grad``, written for the global
@@ -139,13 +135,20 @@ def value_and_grad(
         doubled its temporary memory (:doc:`costs </costs>`). Turn it on for
         a first run, or for one step compiled apart.
       config: the skip settings as a :class:`SkipConfig` (or as keywords).
+      state: error feedback's state, which the loop carries from step to
+        step (and checkpoints): made once, outside ``jax.jit``, by
+        ``value_and_grad(fun, mesh, step=0, <the same options>).init_state(params)``,
+        then passed back each step; ``f`` then returns it updated, third.
+        Needed with ``error_feedback``, refused without it.
       **skip_options: :func:`skip_reduce`'s options: ``num_skip`` or
         ``skip_ratio``, ``seed``, ``min_size``, ``warmup_steps``, ...
 
     Returns:
       ``f(*args) -> (value, grads)`` (``((value, aux), grads)`` with
-      ``has_aux``), as ``jax.value_and_grad`` returns. ``f.report`` is the
-      last trace's :class:`skipreduce_jax.PartitionReport`.
+      ``has_aux``), as ``jax.value_and_grad`` returns; ``(value, grads,
+      state)`` with ``state``. ``f.report`` is the last trace's
+      :class:`skipreduce_jax.PartitionReport`; ``f.init_state(params)``
+      makes error feedback's first ``state``.
 
     Raises:
       ValueError: if ``step`` is missing or not an int scalar, an option
@@ -176,7 +179,7 @@ def value_and_grad(
     return build(fun, mesh, axis_name, step=step, has_aux=has_aux, argnums=argnums,
                  batch_argnums=batch_argnums, param_specs=param_specs,
                  microbatches=microbatches, check=check, config=config,
-                 skip_options=skip_options)
+                 skip_options=skip_options, state=state)
 
 
 def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
@@ -184,7 +187,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           batch_argnums: int | Sequence[int] | None, param_specs: Any,
           microbatches: int, skip_options: dict[str, Any],
           config: SkipConfig | None = None, check: bool = False,
-          describe: Callable[[int], str] = "argument {}".format) -> Callable[..., Any]:
+          describe: Callable[[int], str] = "argument {}".format,
+          state: Any = None) -> Callable[..., Any]:
     """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
     mesh = _resolve_mesh(mesh)
     if axis_name is None and len(mesh.axis_names) > 1:
@@ -198,7 +202,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                     fun, mesh, axis, step=step, has_aux=has_aux, argnums=argnums,
                     batch_argnums=batch_argnums, param_specs=param_specs,
                     microbatches=microbatches, skip_options=skip_options, config=config,
-                    check=check, describe=describe)
+                    check=check, describe=describe, state=state)
             return built[axis]
 
         params_at = positions(argnums, "argnums", api=_API)
@@ -214,7 +218,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     clock, salted = _check_step(step)
     microbatches = checks.check_int(microbatches, "microbatches", api=_API, minimum=1)
     check = checks.check_bool(check, "check", api=_API) and microbatches == 1
-    config = _check_options(config, skip_options)
+    config = _check_options(config, skip_options, state)
     tx = skip_reduce(axes[0], inner_axis=axes[1] if len(axes) == 2 else None,
                      config=config)
     settings = _Config.of(config, axes[0], axes[1] if len(axes) == 2 else None)
@@ -243,6 +247,12 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         return traced(*args, **kwargs)
 
     def traced(*args, placed=None, **kwargs):
+        if config.error_feedback and state is None:
+            raise ValueError(
+                f"{_API}: error_feedback={config.error_feedback!r} keeps a residual per "
+                "rank, which your loop carries: pass state=, made once outside jax.jit by "
+                "value_and_grad(fun, mesh, step=0, <the same options>).init_state(params); "
+                "the function then returns (value, grads, state).")
         if kwargs:
             raise TypeError(
                 f"{_API}: pass fun's arguments positionally (got keyword "
@@ -262,8 +272,9 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                         traced=True)
         if ranks == 1:
             # One rank: the gradient is already the global one.
-            return _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
-                                args, params_at, given_batch, microbatches, has_aux)
+            out = _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
+                               args, params_at, given_batch, microbatches, has_aux)
+            return out if state is None else (*out, state)
         params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
         if placed is not None:  # the params' leaves among the placed arrays
             starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
@@ -274,19 +285,33 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                                  microbatches, check)
         wrapped.report = program.report
         treedef = jax.tree_util.tree_structure(params)
-        outs, grads = _run(program, mesh, axes, ranks, clock, salted, specs, settings, tx,
-                           treedef, microbatches)
+        outs, grads, new_state = _run(program, mesh, axes, ranks, clock, salted, specs,
+                                      settings, tx, treedef, microbatches, state)
         if check and program.reference is not None:
             exact = settings
-            if settings.resolve_num_skip(mesh.shape[axes[0]]) or settings.comm_dtype is not None:
+            if (settings.resolve_num_skip(mesh.shape[axes[0]]) or settings.comm_dtype is not None
+                    or state is not None):
                 exact = dataclasses.replace(settings, num_skip=0, skip_ratio=None,
-                                            comm_dtype=None)
+                                            comm_dtype=None, error_feedback=False)
             twin = None if exact is settings else lambda: _run(
-                program, mesh, axes, ranks, clock, salted, specs, exact, tx, treedef, 1)
+                program, mesh, axes, ranks, clock, salted, specs, exact, tx, treedef, 1)[:2]
             _check_first_step(program, outs, grads, clock[0], mesh, treedef, twin)
-        return program.out_tree.unflatten(outs), jax.tree_util.tree_unflatten(treedef, grads)
+        out = program.out_tree.unflatten(outs), jax.tree_util.tree_unflatten(treedef, grads)
+        return out if state is None else (*out, new_state)
+
+    def init_state(params):
+        """Error feedback's first ``state`` for ``params`` (outside ``jax.jit``)."""
+        if not config.error_feedback:
+            raise ValueError(f"{_API}: init_state is error feedback's state; pass "
+                             "error_feedback=True or \"auto\" (and the step's other options).")
+        devices = mesh if isinstance(mesh, jax.sharding.Mesh) else jax.sharding.get_mesh()
+        if not isinstance(devices, jax.sharding.Mesh) or devices.empty:
+            raise ValueError(f"{_API}: init_state places the state on devices: pass the "
+                             "mesh (jax.make_mesh), or call it under jax.set_mesh(mesh).")
+        return init_opt_state(tx, params, devices, axes if len(axes) > 1 else axes[0])
 
     wrapped.report = None
+    wrapped.init_state = init_state
     return wrapped
 
 
@@ -474,7 +499,7 @@ def _refuse_own_collectives(flat, shapes, axes, ranks):
 
 
 def _run(program, mesh, axes, ranks, step, salted, specs, settings, tx, treedef,
-         microbatches):
+         microbatches, state=None):
     """The partitioned loss per rank (its own gradients), then the ring.
 
     ``step``: int32[2], the count and the micro-step (folded into the key
@@ -497,9 +522,15 @@ def _run(program, mesh, axes, ranks, step, salted, specs, settings, tx, treedef,
     def spec(d):
         return P() if d is None else P(*([None] * d), axes)
 
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    state_specs_ = jax.tree_util.tree_leaves(
+        state_specs(state, axes) if state is not None else [],
+        is_leaf=lambda x: isinstance(x, P))
+
     def unpack(flat):
-        n, m = len(params), len(others)
-        local_params, local_others, local_consts = flat[:n], flat[n:n + m], flat[n + m:]
+        n, m, c = len(params), len(others), len(passed)
+        local_params, local_others = flat[:n], flat[n:n + m]
+        local_consts = flat[n + m:n + m + c]
         full_consts = list(consts)
         for i, c in zip(passed, local_consts, strict=True):
             full_consts[i] = c
@@ -558,18 +589,23 @@ def _run(program, mesh, axes, ranks, step, salted, specs, settings, tx, treedef,
             outs[0] = jnp.mean(outs[0], axis=0)
         outs = [settled(x, report) if d is None or (microbatches > 1 and i == 0) else x
                 for i, (x, d) in enumerate(zip(outs, found["layouts"], strict=True))]
-        return outs, reduce.replicated(g, local_params, step)
+        local_state = None if state is None else jax.tree_util.tree_unflatten(
+            state_def, flat[len(flat) - len(state_leaves):])
+        g, new_state = reduce.replicated(g, local_params, step, local_state)
+        return outs, g, jax.tree_util.tree_leaves(new_state)
 
-    flat = [*params, *others, *[consts[i] for i in passed]]
-    in_specs = (P(), *map(spec, dims), *map(spec, other_layouts), *map(spec, const_layouts))
+    flat = [*params, *others, *[consts[i] for i in passed], *state_leaves]
+    in_specs = (P(), *map(spec, dims), *map(spec, other_layouts), *map(spec, const_layouts),
+                *state_specs_)
     jax.eval_shape(_mapped(probe, mesh, axes, in_specs, (), ()), step, *flat)
     out_layouts = found["layouts"]
     if microbatches > 1:  # aux stacked per micro-batch (the value is their mean)
         out_layouts = [None] + [None if d is None else d + 1 for d in out_layouts[1:]]
-    out_specs = ([spec(d) for d in out_layouts], list(map(spec, dims)))
+    out_specs = ([spec(d) for d in out_layouts], list(map(spec, dims)), state_specs_)
     full = ([spec(d) for d in out_layouts],
-            [_with_data(s, d, axes, g.ndim) for s, d, g in zip(specs, dims, params, strict=True)])
-    outs, grads = _mapped(body, mesh, axes, in_specs, out_specs, full)(step, *flat)
+            [_with_data(s, d, axes, g.ndim) for s, d, g in zip(specs, dims, params, strict=True)],
+            state_specs_)
+    outs, grads, new_state = _mapped(body, mesh, axes, in_specs, out_specs, full)(step, *flat)
     report.env.clear()  # the pieces of this trace: not kept past it
     compiler = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if a not in axes and t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
@@ -577,7 +613,8 @@ def _run(program, mesh, axes, ranks, step, salted, specs, settings, tx, treedef,
         grads = [g if s is None and d is None else lax.with_sharding_constraint(
                      g, NamedSharding(mesh, _with_data(s, d, axes, g.ndim)))
                  for g, s, d in zip(grads, specs, dims, strict=True)]
-    return outs, grads
+    return outs, grads, (None if state is None
+                         else jax.tree_util.tree_unflatten(state_def, new_state))
 
 
 def _with_data(spec: P | None, dim: int | None, axes: tuple[str, ...], ndim: int) -> P:
@@ -602,6 +639,12 @@ class _Reduction:
         self.tx, self.treedef, self.specs, self.dims = tx, treedef, specs, dims
         self.report, self.settings, self.salted = report, settings, salted
         sharded = any(d is not None for d in dims)
+        if sharded and settings.error_feedback:
+            raise ValueError(
+                f"{_API}: error_feedback with params sharded over the data axes (FSDP) is "
+                "not supported: each block's gradient is reduced as the backward pass "
+                "reaches it, with no residual to carry. Replicate those params over the "
+                "data axes, or drop error_feedback.")
         if sharded and settings.exact_radial:
             raise ValueError(
                 f"{_API}: exact_radial=True needs the whole gradient of each leaf, and "
@@ -674,26 +717,43 @@ class _Reduction:
 
     def _state(self, local: Any, step: jax.Array, index: int = 0) -> Any:
         """The ring's state for ``step`` (count, micro-step): its key and count."""
-        state = self.tx.init(local)
+        state = self._clocked(self.tx.init(local), step)
+        if index:
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.key), index)
+            state = state._replace(key=jax.random.key_data(key))
+        return state
+
+    def _clocked(self, state: SkipReduceState, step: jax.Array) -> SkipReduceState:
+        """``state`` at ``step``: the count from it, the key salted per micro-step."""
         key = jax.random.wrap_key_data(state.key)
         if self.salted:  # each micro-step of an update its own balanced draws
             key = jax.random.fold_in(key, step[1])
-        if index:
-            key = jax.random.fold_in(key, index)
         return state._replace(count=step[0], key=jax.random.key_data(key))
 
-    def replicated(self, grads: list[Any], local_params: list[Any], step: Any) -> list[Any]:
-        """Every leaf reduced: the ring for replicated params (FSDP's come reduced)."""
+    def replicated(self, grads: list[Any], local_params: list[Any], step: Any,
+                   state: Any = None) -> tuple[list[Any], Any]:
+        """Every leaf reduced: the ring for replicated params (FSDP's come reduced).
+
+        ``state``: error feedback's (its count and key set from ``step``), and
+        the next one returned; None without error feedback.
+        """
         ranks = self.report.ranks
         if not any(d is not None for d in self.dims):
             local_tree = jax.tree_util.tree_unflatten(self.treedef, local_params)
             tree = jax.tree_util.tree_unflatten(self.treedef, [x * ranks for x in grads])
-            tree, _ = skip_update(self.settings, tree, self._state(local_tree, step), local_tree,
-                                  specs=self.specs)
-            return jax.tree_util.tree_leaves(tree)
+            if state is None:
+                tree, _ = skip_update(self.settings, tree, self._state(local_tree, step),
+                                      local_tree, specs=self.specs)
+            elif isinstance(state, FeedbackGateState):
+                tree, state = gated_update(self.settings, tree, state._replace(
+                    skip=self._clocked(state.skip, step)), local_tree, self.specs)
+            else:
+                tree, state = skip_update(self.settings, tree, self._clocked(state, step),
+                                          local_tree, specs=self.specs)
+            return jax.tree_util.tree_leaves(tree), state
         rep = [i for i, d in enumerate(self.dims) if d is None]
         if not rep:
-            return grads
+            return grads, None
         settings = dataclasses.replace(
             self.settings, exact_radial=False, min_size=0,
             selective=[self.flags[i] for i in rep])
@@ -706,7 +766,7 @@ class _Reduction:
         out = list(grads)
         for i, g in zip(rep, reduced, strict=True):
             out[i] = g
-        return out
+        return out, None
 
 
 def _check_first_step(program, outs, grads, step, mesh, treedef, exact_run):
@@ -987,19 +1047,22 @@ def _check_step(step: Any) -> tuple[jax.Array, bool]:
     return jnp.stack([step.astype(jnp.int32), jnp.int32(0)]), False
 
 
-def _check_options(config: SkipConfig | None, options: dict[str, Any]) -> SkipConfig:
-    """The skip settings, refused where they need state from step to step."""
+def _check_options(config: SkipConfig | None, options: dict[str, Any], state: Any
+                   ) -> SkipConfig:
+    """The skip settings; error feedback with its state, and only with it."""
     if "inner_axis" in options:
-        raise ValueError(f"{_API}: {_STATEFUL['inner_axis']}.")
+        raise ValueError(f"{_API}: inner_axis is given here as axis_name=(outer, inner).")
     config = skip_config(config, options, api=_API)
+    kind = {True: SkipReduceState, "auto": FeedbackGateState}.get(config.error_feedback)
+    if state is not None and not isinstance(state, kind or ()):
+        raise ValueError(
+            f"{_API}: state= is error feedback's state, and got "
+            f"{type(state).__name__} with error_feedback={config.error_feedback!r}: "
+            "pass the state init_state made with the same options (error_feedback=True "
+            "makes a SkipReduceState, \"auto\" a FeedbackGateState).")
     if config.params_sharded:
         raise ValueError(
             f"{_API}: params_sharded=True is not an option here: params sharded over "
             "the data axis (FSDP) are found from their layout (their types under "
             "Explicit axes, else param_specs=). Drop params_sharded.")
-    for name, why in _STATEFUL.items():
-        if getattr(config, name, False):
-            raise ValueError(
-                f"{_API}: {why}, and value_and_grad keeps no state from step to "
-                f"step. {_OPTAX_ROUTE}")
     return config

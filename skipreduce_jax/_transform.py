@@ -279,7 +279,6 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
     gate stays shut: error feedback would turn it off.
     """
     feed = dataclasses.replace(config, error_feedback=True)
-    drop = dataclasses.replace(config, error_feedback=False)
     warned = []
 
     def init_fn(params):
@@ -289,28 +288,36 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        _needs_params(params)
-
-        def dropped():
-            out, skip = _update(drop, updates, state.skip, params)
-            # Zeros typed as r (an empty residual, a leaf never skipped, as it is).
-            return out, skip._replace(residual=jax.tree_util.tree_map(
-                lambda r: r if r.size == 0 else jnp.where(True, jnp.zeros((), r.dtype), r),
-                skip.residual))
-
-        if drop.radial(params):  # shut for good: the rule is not read
-            out, skip = dropped()
-            return out, state._replace(skip=skip)
-        n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
-        if config.resolve_num_skip(n) == 0:
-            out, skip = dropped()  # nothing to feed back
-        else:
-            out, skip = lax.cond(_gate.is_open(state, _axes(config)),
-                                 lambda: _update(feed, updates, state.skip, params),
-                                 dropped)
-        return out, _gate.advance(state, skip, out, params)
+        return gated_update(config, updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def gated_update(config: _Config, updates: Any, state: _gate.FeedbackGateState, params: Any,
+                 specs: list[Any] | None = None) -> tuple[Any, _gate.FeedbackGateState]:
+    """``error_feedback="auto"``'s update (``specs`` as for :func:`_update`)."""
+    _needs_params(params)
+    feed = dataclasses.replace(config, error_feedback=True)
+    drop = dataclasses.replace(config, error_feedback=False)
+
+    def dropped():
+        out, skip = _update(drop, updates, state.skip, params, specs)
+        # Zeros typed as r (an empty residual, a leaf never skipped, as it is).
+        return out, skip._replace(residual=jax.tree_util.tree_map(
+            lambda r: r if r.size == 0 else jnp.where(True, jnp.zeros((), r.dtype), r),
+            skip.residual))
+
+    if drop.radial(params):  # shut for good: the rule is not read
+        out, skip = dropped()
+        return out, state._replace(skip=skip)
+    n, _ = checks.axes_pair(config.axis_name, config.inner_axis, api=_API)
+    if config.resolve_num_skip(n) == 0:
+        out, skip = dropped()  # nothing to feed back
+    else:
+        out, skip = lax.cond(_gate.is_open(state, _axes(config)),
+                             lambda: _update(feed, updates, state.skip, params, specs),
+                             dropped)
+    return out, _gate.advance(state, skip, out, params)
 
 
 def _initial_state(config: _Config, params: Any, warned: list[bool], residual: Any

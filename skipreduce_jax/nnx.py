@@ -131,13 +131,13 @@ def _on_model(loss_fn: Callable[..., Any], wrt: Any, axes: tuple[str, ...], has_
                        for o, n in zip(objects, nodes, strict=True)]
             return loss, (aux, (nnx.split(local, *filters)[-1], changed))
 
-        (loss, (aux, (rest, changed))), grads = differentiate(
+        (loss, (aux, (rest, changed))), grads, *state = differentiate(
             pure, params, tuple(others), args)
         nnx.update(model, rest)
-        for a, state in zip(args_in, changed, strict=True):
-            if state is not None:
-                nnx.update(a, state)
-        return ((loss, aux) if has_aux else loss), grads
+        for a, written in zip(args_in, changed, strict=True):
+            if written is not None:
+                nnx.update(a, written)
+        return (((loss, aux) if has_aux else loss), grads, *state)
 
     return wrapped
 
@@ -154,6 +154,7 @@ def value_and_grad(
     rank_rngs: bool = True,
     param_specs: PyTree | None = None,
     config: SkipConfig | None = None,
+    state: PyTree | None = None,
     **skip_options: Unpack[SkipOptions],
 ) -> Callable[..., tuple[jax.Array | tuple[jax.Array, PyTree], nnx.State]]:
     """``nnx.value_and_grad`` whose gradient all-reduce is SkipReduce.
@@ -184,11 +185,15 @@ def value_and_grad(
         on an Explicit mesh) stay sharded: their grads come back in their
         layouts, reduced by the skipped reduce-scatter.
       config: the skip settings as a :class:`skipreduce_jax.SkipConfig`.
+      state: error feedback's state, as for
+        :func:`skipreduce_jax.value_and_grad`; ``f.init_state(model)`` makes
+        the first one (outside ``nnx.jit``).
       **skip_options: :func:`skipreduce_jax.skip_reduce`'s options.
 
     Returns:
       ``f(model, *args) -> (value, grads)`` (``((value, aux), grads)`` with
-      ``has_aux``), ``grads`` an ``nnx.State``.
+      ``has_aux``), ``grads`` an ``nnx.State``; ``(value, grads, state)``
+      with ``state``.
 
     Example::
 
@@ -219,10 +224,18 @@ def value_and_grad(
             batch_argnums=batch, param_specs=specs, microbatches=1,
             config=config, skip_options=skip_options,
             describe=lambda i: f"loss_fn's argument {i - 1} (the model is 0)",
-            )(params, others, *args)
+            state=state)(params, others, *args)
+
+    def init_state(model):
+        """Error feedback's first ``state`` for ``model``'s ``wrt`` variables."""
+        return build(loss_fn, mesh, axis_name, step=step, has_aux=has_aux, argnums=0,
+                     batch_argnums=None, param_specs=None, microbatches=1, config=config,
+                     skip_options=skip_options).init_state(nnx.state(model, wrt))
 
     # The keys stay as they are: the partitioned loss draws the global batch's bits.
-    return _on_model(loss_fn, wrt, (), has_aux, False, differentiate)
+    wrapped = _on_model(loss_fn, wrt, (), has_aux, False, differentiate)
+    wrapped.init_state = init_state
+    return wrapped
 
 
 def _metadata_specs(params: Any, mesh: Any) -> Any:

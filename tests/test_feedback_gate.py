@@ -186,11 +186,13 @@ def test_auto_needs_params():
         per_rank(f, _grads(), n=N, replicated_args=(np.zeros(3000, np.float32),))
 
 
-def test_value_and_grad_refuses_auto_as_it_refuses_error_feedback():
+def test_value_and_grad_needs_the_state_auto_carries():
     mesh = line_mesh(N, "data")
-    with pytest.raises(ValueError, match="error_feedback \\(True or \"auto\"\\) keeps a residual"):
-        sr.value_and_grad(lambda p, x: jnp.sum(p * x), mesh=mesh, axis_name="data",
-                          step=0, skip_ratio=0.5, error_feedback="auto")
+    grad_fn = sr.value_and_grad(lambda p, x: jnp.sum(p * x), mesh=mesh, axis_name="data",
+                                step=0, skip_ratio=0.5, error_feedback="auto")
+    with pytest.raises(ValueError, match="error_feedback='auto' keeps a residual per rank.*"
+                                         "pass state="):
+        grad_fn(jnp.ones(N), jnp.ones(N))
 
 
 def _toy_loss(params, batch):
