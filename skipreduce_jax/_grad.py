@@ -253,11 +253,11 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                 "rank, which your loop carries: pass state=, made once outside jax.jit by "
                 "value_and_grad(fun, mesh, step=0, <the same options>).init_state(params); "
                 "the function then returns (value, grads, state).")
-        if kwargs:
-            raise TypeError(
-                f"{_API}: pass fun's arguments positionally (got keyword "
-                f"arguments {sorted(kwargs)}); argnums and batch_argnums count "
-                "positions.")
+        call = fun
+        if kwargs:  # never differentiated; split or whole by their layouts, as others
+            names, n = sorted(kwargs), len(args)
+            args = (*args, *(kwargs[k] for k in names))
+            call = lambda *a: fun(*a[:n], **dict(zip(names, a[n:], strict=True)))  # noqa: E731
         for i in params_at + (given_batch or ()):
             if i >= len(args):
                 raise ValueError(
@@ -272,7 +272,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                         traced=True)
         if ranks == 1:
             # One rank: the gradient is already the global one.
-            out = _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
+            out = _accumulated(jax.value_and_grad(call, argnums=argnums, has_aux=has_aux),
                                args, params_at, given_batch, microbatches, has_aux)
             return out if state is None else (*out, state)
         params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
@@ -281,7 +281,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             placed_params = [s for i in params_at for s in placed[starts[i]:starts[i + 1]]]
         specs = _param_specs(params, param_specs, mesh, axes,
                              None if placed is None else placed_params)
-        program = _Program.trace(fun, args, params_at, given_batch, placed, axes, ranks,
+        program = _Program.trace(call, args, params_at, given_batch, placed, axes, ranks,
                                  microbatches, check)
         wrapped.report = program.report
         treedef = jax.tree_util.tree_structure(params)

@@ -676,3 +676,27 @@ def test_micro_steps_of_multisteps_draw_their_own_drops():
     assert not np.allclose(grads(jnp.int32(0)), grads(jnp.int32(1)))
     with pytest.raises(ValueError, match="MultiSteps"):
         grads(jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.parametrize("kind", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_keyword_arguments_are_passed_as_jax_passes_them(kind):
+    """A static flag and a split array by keyword: never differentiated, laid out as others."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(4, 2)).astype(np.float32)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    mask = (rng.random(64) < 0.7).astype(np.float32)
+
+    def loss(w, x, *, mask, train):
+        err = jnp.sum((x @ w - 1.0) ** 2, axis=-1)
+        scale = 2.0 if train else 1.0
+        return scale * jnp.sum(mask * err) / jnp.sum(mask)
+
+    ref = jax.value_and_grad(loss)(w, x, mask=mask, train=True)
+    with jax.set_mesh(mesh):
+        xs, ms = jax.device_put((x, mask), P("data"))
+        got = jax.jit(lambda w, x, m: sr.value_and_grad(loss, step=0, num_skip=0, min_size=0)(
+            w, x, mask=m, train=True))(w, xs, ms)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
