@@ -180,3 +180,36 @@ def test_nnx_value_and_grad_carries_the_state():
                                ref_grads["hidden"]["kernel"][...], rtol=1e-5, atol=1e-7)
     assert not np.allclose(grads["hidden"]["kernel"][...], ref_grads["hidden"]["kernel"][...])
     assert float(jnp.abs(state.residual["hidden"]["kernel"][...]).max()) > 0
+
+
+def test_auto_with_its_gate_open_is_error_feedback():
+    """The gate opened (as after some steps of SGD): each step is error_feedback=True's."""
+    mesh = jax.make_mesh((N,), ("data",))
+    gated = sr.value_and_grad(loss_fn, mesh, step=0, error_feedback="auto",
+                              **OPTIONS).init_state(PARAMS)
+    gated = gated._replace(overshooting=jnp.zeros_like(gated.overshooting),
+                           nonlinear=jnp.zeros_like(gated.nonlinear))
+    sgd = optax.sgd(0.1, momentum=0.9)
+    (auto, _, _), auto_losses = _ours(mesh, 3, "auto", carried=(PARAMS, sgd.init(PARAMS), gated))
+    (fed, _, _), fed_losses = _ours(mesh, 3, True)
+    np.testing.assert_allclose(auto_losses, fed_losses, rtol=1e-6)
+    for k in PARAMS:
+        np.testing.assert_allclose(auto[k], fed[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_error_feedback_under_multisteps_with_a_leaf_left_out(mode):
+    """sr.MultiSteps around skip_reduce(error_feedback=...), a bias under min_size."""
+    mesh = jax.make_mesh((N,), ("data",))
+    tx = sr.MultiSteps(optax.chain(sr.skip_reduce("data", error_feedback=mode, **OPTIONS),
+                                   optax.sgd(0.1)), 2)
+    params = sr.replicate(PARAMS, mesh)
+    opt_state = sr.init_opt_state(tx, params, mesh, "data")
+    step = sr.make_train_step(loss_fn, tx, mesh, "data")
+    batch = sr.shard_batch((X, Y), mesh)
+    losses = []
+    for _ in range(4):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    sr.assert_replicated(params, mesh)
+    assert int(opt_state.gradient_step) == 2 and losses[2] < losses[0]
