@@ -700,3 +700,68 @@ def test_keyword_arguments_are_passed_as_jax_passes_them(kind):
             w, x, mask=m, train=True))(w, xs, ms)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
+
+
+def _check_run(loss, args, split, kind=AxisType.Explicit):
+    """value_and_grad with the first-step check, inside jit: its value and grads."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, P("data")) if s else a for a, s in zip(args, split)]
+        return jax.jit(lambda *a: loss(*a))(*placed)
+
+
+def test_the_check_allows_16_bit_rounding(capsys):
+    """A loss computing in bfloat16: the check's tolerance is bfloat16's (was: NaN)."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(6, 5)).astype(jnp.bfloat16)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+
+    def loss(p, x):
+        return jnp.mean((x.astype(jnp.bfloat16) @ p) ** 2)
+
+    value, grads = _check_run(lambda w, x: sr.value_and_grad(
+        loss, step=0, num_skip=0, min_size=0, check=True)(w, x), (w, x), (False, True))
+    assert np.isfinite(float(value)) and "first-step check" not in capsys.readouterr().out
+    ref = jax.value_and_grad(loss)(w, x)[1]
+    np.testing.assert_allclose(np.float32(grads), np.float32(ref), atol=2e-2)
+
+
+def test_the_check_runs_on_a_loss_that_closes_over_the_steps_batch(capsys):
+    """Explicit axes: the closed-over labels typed with the step's layout (was: a mesh error)."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(6, 5)).astype(np.float32)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = rng.integers(0, 5, 64).astype(np.int32)
+
+    def step(w, x, y):
+        def loss(w, x):
+            return jnp.mean((x @ w)[:, 0] * y.astype(jnp.float32))
+        return sr.value_and_grad(loss, step=0, num_skip=0, min_size=0, check=True)(w, x)
+
+    value, grads = _check_run(step, (w, x, y), (False, True, True))
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda w: jnp.mean((x @ w)[:, 0] * y.astype(jnp.float32)))(w)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    np.testing.assert_allclose(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert "first-step check" not in capsys.readouterr().out
+
+
+def test_outside_jit_flags_and_strings_are_static():
+    """Called eagerly with a bool and a str argument, as jax.value_and_grad takes them."""
+    rng = np.random.default_rng(6)
+    w = rng.normal(size=(6, 5)).astype(np.float32)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+
+    def loss(w, x, train, reduction):
+        y = (x @ w) * (0.5 if train else 1.0)
+        return jnp.mean(y ** 2) if reduction == "mean" else jnp.sum(y ** 2)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        grad_fn = sr.value_and_grad(loss, step=0, num_skip=0, min_size=0)
+        xs = jax.device_put(x, P("data"))
+        for train, reduction in ((True, "mean"), (False, "sum"), (True, "mean")):
+            got = grad_fn(w, xs, train, reduction)
+            ref = jax.value_and_grad(loss)(w, x, train, reduction)
+            np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+            np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-6)
