@@ -738,8 +738,14 @@ class _Reduction:
         return jnp.moveaxis(out, 0, dim)
 
     def _state(self, local: Any, step: jax.Array, index: int = 0) -> Any:
-        """The ring's state for ``step`` (count, micro-step): its key and count."""
-        state = self._clocked(self.tx.init(local), step)
+        """The ring's state for ``step`` (count, micro-step): its key and count.
+
+        Without error feedback's residual: this state is made afresh each step.
+        """
+        state = self.tx.init(local)
+        if isinstance(state, FeedbackGateState):
+            state = state.skip
+        state = self._clocked(state._replace(residual=optax.EmptyState()), step)
         if index:
             key = jax.random.fold_in(jax.random.wrap_key_data(state.key), index)
             state = state._replace(key=jax.random.key_data(key))

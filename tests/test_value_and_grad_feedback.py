@@ -213,3 +213,19 @@ def test_error_feedback_under_multisteps_with_a_leaf_left_out(mode):
         losses.append(float(loss))
     sr.assert_replicated(params, mesh)
     assert int(opt_state.gradient_step) == 2 and losses[2] < losses[0]
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_the_first_step_check_runs_with_error_feedback(mode, capsys):
+    """check=True compares the step's k=0 twin, without feedback, with jax's."""
+    mesh = jax.make_mesh((N,), ("data",))
+    state = sr.value_and_grad(loss_fn, mesh, step=0, error_feedback=mode,
+                              **OPTIONS).init_state(PARAMS)
+    with jax.set_mesh(mesh):
+        batch = jax.device_put((X, Y), P("data"))
+        value, _, state = jax.jit(lambda p, b, s: sr.value_and_grad(
+            loss_fn, step=0, error_feedback=mode, state=s, check=True, **OPTIONS)(p, b))(
+                PARAMS, batch, state)
+    np.testing.assert_allclose(value, jax.value_and_grad(loss_fn)(PARAMS, (X, Y))[0],
+                               rtol=1e-6)
+    assert "first-step check" not in capsys.readouterr().out
