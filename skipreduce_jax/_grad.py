@@ -235,11 +235,25 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     single = isinstance(argnums, (int, np.integer))
     ranks = math.prod(mesh.shape[a] for a in axes)
     jitted: dict[Any, Callable[..., Any]] = {}
+    by_keywords: dict[Any, Callable[..., Any]] = {}
 
     def wrapped(*args, **kwargs):
+        if kwargs:  # never differentiated; split or whole by their layouts, as others
+            names, n = tuple(sorted(kwargs)), len(args)
+            if (names, n) not in by_keywords:
+                by_keywords[names, n] = build(
+                    lambda *a: fun(*a[:n], **dict(zip(names, a[n:], strict=True))), mesh,
+                    axis_name, step=step, has_aux=has_aux, argnums=argnums,
+                    batch_argnums=batch_argnums, param_specs=param_specs,
+                    microbatches=microbatches, skip_options={}, config=config,
+                    check=check, describe=describe, state=state)
+            inner = by_keywords[names, n]
+            out = inner(*args, *(kwargs[k] for k in names))
+            wrapped.report = inner.report
+            return out
         leaves, tree = jax.tree_util.tree_flatten(args)
-        if kwargs or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            return traced(*args, **kwargs)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return traced(*args)
         # Called outside jit: one compiled program per structure and per
         # value of the arguments that are not arrays or numbers (a flag, a
         # string: static, as Python sees them); the placed arrays' layouts
@@ -264,18 +278,13 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             jitted[key] = jax.jit(run)
         return jitted[key](*[x for x, d in zip(leaves, dynamic) if d])
 
-    def traced(*args, placed=None, **kwargs):
+    def traced(*args, placed=None):
         if config.error_feedback and state is None:
             raise ValueError(
                 f"{_API}: error_feedback={config.error_feedback!r} keeps a residual per "
                 "rank, which your loop carries: pass state=, made once outside jax.jit by "
                 "value_and_grad(fun, mesh, step=0, <the same options>).init_state(params); "
                 "the function then returns (value, grads, state).")
-        call = fun
-        if kwargs:  # never differentiated; split or whole by their layouts, as others
-            names, n = sorted(kwargs), len(args)
-            args = (*args, *(kwargs[k] for k in names))
-            call = lambda *a: fun(*a[:n], **dict(zip(names, a[n:], strict=True)))  # noqa: E731
         for i in params_at + (given_batch or ()):
             if i >= len(args):
                 raise ValueError(
@@ -290,7 +299,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                         traced=True)
         if ranks == 1:
             # One rank: the gradient is already the global one.
-            out = _accumulated(jax.value_and_grad(call, argnums=argnums, has_aux=has_aux),
+            out = _accumulated(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux),
                                args, params_at, given_batch, microbatches, has_aux)
             return out if state is None else (*out, state)
         params = args[params_at[0]] if single else tuple(args[i] for i in params_at)
@@ -299,7 +308,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             placed_params = [s for i in params_at for s in placed[starts[i]:starts[i + 1]]]
         specs = _param_specs(params, param_specs, mesh, axes,
                              None if placed is None else placed_params)
-        program = _Program.trace(call, args, params_at, given_batch, placed, axes, ranks,
+        program = _Program.trace(fun, args, params_at, given_batch, placed, axes, ranks,
                                  microbatches, check)
         wrapped.report = program.report
         treedef = jax.tree_util.tree_structure(params)

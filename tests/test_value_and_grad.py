@@ -562,8 +562,12 @@ def test_argnums_as_jax_value_and_grad(argnums):
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    with pytest.raises(TypeError, match="positionally"):
-        sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0)(1.0, x, b=0.5)
+    # A keyword argument, outside jit too: passed as jax passes it.
+    with jax.set_mesh(mesh):
+        got = sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0, batch_argnums=1)(
+            1.0, x, b=0.5)
+    ref = jax.value_and_grad(loss)(1.0, x, b=0.5)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
 
 
 def test_train_state_and_multisteps_stay_as_written():
