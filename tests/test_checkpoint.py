@@ -112,6 +112,7 @@ def test_resume_is_bit_identical_with_error_feedback_and_warmup(mesh, uninterrup
     assert step_fn._cache_size() == 1  # restored placement matches the step's
 
 
+@pytest.mark.slow
 def test_resume_with_error_feedback_auto_restores_its_rule(mesh, tmp_path):
     _, params, opt_state, step_fn = _fresh(mesh, error_feedback="auto")
     params, opt_state = _run(step_fn, params, opt_state, mesh, 0, T)

@@ -125,6 +125,7 @@ def test_variant_arguments():
         cv.parse_args(["--variants", "fast"])
 
 
+@pytest.mark.slow
 def test_sixteen_bit_wire_variants(tmp_path):
     assert cv.reduce_kwargs("random-bf16", 0.5, 3) == dict(
         skip_ratio=0.5, min_size=0, seed=3, comm_dtype=jnp.bfloat16)

@@ -179,6 +179,7 @@ def test_linen_loss_needs_the_global_token_count():
     assert error[1] < 1e-4 and error[0] > 1e-2, error
 
 
+@pytest.mark.slow
 def test_linen_random_skipping_keeps_replicas_identical():
     config = _lm_config(dropout=0.1, min_size=1024)    # skip ratio 0.5: 3 leaves skipped
     mesh = _lm_mesh()

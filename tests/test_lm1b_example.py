@@ -21,7 +21,8 @@ pytest.importorskip("flax.linen")
 lm1b_lm = pytest.importorskip("lm1b_lm")
 
 
-@pytest.mark.parametrize("layout", ["data", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["data", "fsdp"])
 def test_k0_step_equals_lm1bs_step_metrics_and_counts_included(layout):
     results = lm1b_lm.main(["--mesh", layout, "--steps", "3", "--skip-ratio", "0",
                             "--d-model", "32"])

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import per_rank, popcount
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,7 @@ def _cyclic_run(ranks: np.ndarray, n: int) -> bool:
     return any({(s + i) % n for i in range(len(ranks))} == ranks for s in ranks)
 
 
+@pytest.mark.slow
 @settings(max_examples=COLLECTIVE_EXAMPLES, **_settings)
 @given(specs=leaf_specs, data=st.data(), n=st.integers(2, 8),
        chunks=st.sampled_from([None, 1, 2, 3, 8]), randomize=st.booleans(),

@@ -151,6 +151,7 @@ def test_shifted_data_keeps_the_split_and_the_labels():
     np.testing.assert_array_equal(grown.y_test, np.tile(plain.y_test, 9))
 
 
+@pytest.mark.slow
 def test_parts_times_the_step_and_the_reduction_alone():
     args = tta.parse_args(["--hidden", "16", "--layers", "1", "--shift", "0",
                            "--variants", "all-reduce,random,powersgd"])

@@ -97,6 +97,7 @@ def test_num_skip_zero_equals_xlas_gspmd_step(mesh, allreduce):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_random_replicas_stay_bit_identical_and_send_the_formula(mesh, allreduce):
     model, optimizer, step, losses = _train("random", mesh)
     assert losses != allreduce[3]                  # skipping changed the training

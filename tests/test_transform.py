@@ -332,6 +332,7 @@ class _MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
+@pytest.mark.slow
 def test_flax_params_stay_bit_identical_over_50_steps():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(N * 16, 64)).astype(np.float32)

@@ -71,7 +71,7 @@ def _optax_route(mesh, steps, mode):
     return params, losses
 
 
-@pytest.mark.parametrize("mode", [True, "auto"])
+@pytest.mark.parametrize("mode", [True, pytest.param("auto", marks=pytest.mark.slow)])
 def test_steps_equal_the_optax_routes_with_error_feedback(mode):
     mesh = jax.make_mesh((N,), ("data",))
     (ours, _, state), our_losses = _ours(mesh, 6, mode)
@@ -182,6 +182,7 @@ def test_nnx_value_and_grad_carries_the_state():
     assert float(jnp.abs(state.residual["hidden"]["kernel"][...]).max()) > 0
 
 
+@pytest.mark.slow
 def test_auto_with_its_gate_open_is_error_feedback():
     """The gate opened (as after some steps of SGD): each step is error_feedback=True's."""
     mesh = jax.make_mesh((N,), ("data",))
