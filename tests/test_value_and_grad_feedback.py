@@ -121,6 +121,11 @@ def test_a_resumed_loop_is_bit_identical():
     for a, b in zip(jax.tree_util.tree_leaves(resumed), jax.tree_util.tree_leaves(straight),
                     strict=True):
         np.testing.assert_array_equal(a, b)
+    # The state is what made them equal: resumed with a fresh one, they part.
+    fresh = sr.value_and_grad(loss_fn, mesh, step=0, error_feedback=True,
+                              **OPTIONS).init_state(PARAMS)
+    (forgot, _, _), _ = _ours(mesh, 2, True, carried=(params, opt_state, fresh), start=2)
+    assert not np.array_equal(forgot["w"], straight[0]["w"])
 
 
 def test_state_is_needed_with_error_feedback_and_refused_without_it():
