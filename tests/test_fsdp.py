@@ -87,6 +87,7 @@ def test_num_skip_zero_equals_xlas_fsdp_step():
         for _ in range(20):
             p, s, _, _ = step_f(p, s, xs, ys)
             ref_p, ref_s = ref_step(ref_p, ref_s)
+            jax.block_until_ready((p, ref_p))   # one step of each in flight
     assert p["w"].sharding.spec == P("data", None)
     assert p["w"].addressable_shards[0].data.shape == (16 // N, 4)  # 1/N per device
     for k in p:
