@@ -52,8 +52,11 @@ def measure(workload: str, optimizer: str, *, steps: int, repeats: int,
         chunk = conv.make_chunk_step(work.loss, tx, mesh, opt_state)
         start = time.perf_counter()
         compiled = chunk.lower(*carry, xs).compile()
+        memory = compiled.memory_analysis()
         runs[variant] = dict(compiled=compiled, carry=carry, times=[],
-                             compile_s=time.perf_counter() - start)
+                             compile_s=time.perf_counter() - start,
+                             state_mb=_per_device_mb(opt_state),
+                             temp_mb=memory.temp_size_in_bytes / 2**20)
     for _ in range(repeats + 1):  # the first round warms up
         for run in runs.values():
             start = time.perf_counter()
@@ -65,7 +68,19 @@ def measure(workload: str, optimizer: str, *, steps: int, repeats: int,
     return dict(workload=workload, optimizer=optimizer, steps=steps, repeats=repeats,
                 step_ms={v: 1e3 * s for v, s in step.items()},
                 step_vs_random={v: s / step["random"] for v, s in step.items()},
-                compile_s={v: r["compile_s"] for v, r in runs.items()})
+                compile_s={v: r["compile_s"] for v, r in runs.items()},
+                state_mb={v: r["state_mb"] for v, r in runs.items()},
+                temp_mb={v: r["temp_mb"] for v, r in runs.items()},
+                params_mb=_per_device_mb(work.params) * 1.0)
+
+
+def _per_device_mb(tree: Any) -> float:
+    """MiB of ``tree`` held on one device (its first device's shards)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shards = getattr(leaf, "addressable_shards", None)
+        total += shards[0].data.nbytes if shards else leaf.nbytes
+    return total / 2**20
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -79,12 +94,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     conv.start_runtime(8)
     results = [measure(w, o, steps=args.steps, repeats=args.repeats)
                for w in args.workloads.split(",") for o in args.optimizers.split(",")]
-    print("| workload | opt | variant | ms / step | vs Random | compile s |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| workload | opt | variant | ms / step | vs Random | compile s "
+          "| state MiB / device | temp MiB | params MiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         for v in VARIANTS:
             print(f"| {r['workload']} | {r['optimizer']} | {v} | {r['step_ms'][v]:.2f} "
-                  f"| {r['step_vs_random'][v]:.2f} | {r['compile_s'][v]:.2f} |")
+                  f"| {r['step_vs_random'][v]:.2f} | {r['compile_s'][v]:.2f} "
+                  f"| {r['state_mb'][v]:.2f} | {r['temp_mb'][v]:.2f} | {r['params_mb']:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(devices=f"{jax.device_count()} x "
                                               f"{jax.devices()[0].platform}",

@@ -404,3 +404,20 @@ def test_gated_error_feedback_is_random_or_error_feedback_by_its_share():
     always, state = first_step(cv.gated_feedback(reducer(True), 1.01, 8, 4))
     np.testing.assert_allclose(always["w"], full["w"], rtol=1e-6)
     np.testing.assert_allclose(state.inner.residual["w"], full_state.residual["w"])
+
+
+def test_held_out_workloads():
+    """digits-mlp: real images, an MLP; lm-wide: a second text task, its own split."""
+    digits = cv.make_workload("digits-mlp", 0, steps=3, ranks=8)
+    assert digits.train[0].shape == (3, 64, 64) and digits.train[1].shape == (3, 64)
+    assert digits.val[0].shape[0] % 8 == 0 and set(np.unique(digits.val[1])) == set(range(10))
+    train_rows = {r.tobytes() for r in digits.train[0].reshape(-1, 64)}
+    assert not train_rows & {r.tobytes() for r in digits.val[0]}  # disjoint split
+    assert [x.shape for x in jax.tree.leaves(digits.params)] == [(128,), (64, 128), (10,), (128, 10)]
+    wide = cv.make_workload("lm-wide", 0, steps=3, ranks=8)
+    assert wide.train[0].shape == (3, 32, 129) and wide.val[0].shape[1] == 129
+    # Its validation text is the start of the lm workload's training text.
+    import train_lm  # examples/, on the path once a workload is made
+    lm_train = train_lm.load_corpus(2**19, 2**15).train
+    assert wide.val[0][0].astype(np.uint8).tobytes() in lm_train[:2**16].tobytes()
+    assert set(cv.HELD_OUT) <= set(cv.WORKLOADS) and all(w in cv.TARGET_RULES for w in cv.HELD_OUT)

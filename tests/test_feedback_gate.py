@@ -76,6 +76,26 @@ def test_the_overshoot_mean_counts_steps_that_point_along_the_last():
     assert float(state.overshooting) == pytest.approx(m ** 4 + _gate.MEMORY)
 
 
+def test_the_overshoot_test_weighs_each_leafs_sample_by_its_size():
+    """<g, p_(t+1) - p_t> from SAMPLE elements per leaf, scaled back to all of them.
+
+    Every element moved by +1. The big leaf's gradient, -0.01 on 1024
+    elements, outweighs the small leaf's +1 on 4 (-10.24 + 4 < 0: no
+    overshoot); its 256 sampled elements alone would not (-2.56 + 4 > 0).
+    """
+    params = {"big": jnp.zeros(1024), "small": jnp.zeros(4)}
+    state = _gate.init(sr.SkipReduceState(jnp.int32(1), None, None, None), params)
+    moved = jax.tree_util.tree_map(lambda p: p + 1.0, params)
+    g = {"big": jnp.full(1024, -0.01), "small": jnp.ones(4)}
+    state = _gate.advance(state, state.skip, g, moved)
+    m = 1 - _gate.MEMORY
+    assert float(state.overshooting) == pytest.approx(m)
+    g = {"big": jnp.full(1024, -0.001), "small": jnp.ones(4)}  # -1.024 + 4 > 0
+    state = _gate.advance(state, state.skip, g, jax.tree_util.tree_map(
+        lambda p: p + 1.0, moved))
+    assert float(state.overshooting) == pytest.approx(m * m + _gate.MEMORY)
+
+
 def test_unexplained_is_zero_for_a_momentum_step_and_large_for_a_normalized_one():
     rng = np.random.default_rng(0)
     last_step, grad = rng.normal(size=(2, 3, 256)).astype(np.float32)
@@ -147,7 +167,10 @@ def test_auto_trains_in_make_train_step_and_equals_the_all_reduce_at_k0():
     assert 0 < float(gate.overshooting) < 1
     assert float(gate.nonlinear) < 0.3  # SGD: read as linear
     before_last, _ = _train(optax.chain(auto, optax.sgd(0.05, momentum=0.9)), steps=29)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, gate.previous, before_last)
+    # The gate keeps a sample of the last params, never a copy of them.
+    np.testing.assert_array_equal(gate.previous, _gate._sample(
+        jax.tree_util.tree_leaves(before_last)))
+    assert gate.previous.size == _gate.SAMPLE * len(jax.tree_util.tree_leaves(params))
 
 
 def test_auto_skips_and_the_ranks_stay_identical():
