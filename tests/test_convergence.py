@@ -413,7 +413,8 @@ def test_held_out_workloads():
     assert digits.val[0].shape[0] % 8 == 0 and set(np.unique(digits.val[1])) == set(range(10))
     train_rows = {r.tobytes() for r in digits.train[0].reshape(-1, 64)}
     assert not train_rows & {r.tobytes() for r in digits.val[0]}  # disjoint split
-    assert [x.shape for x in jax.tree.leaves(digits.params)] == [(128,), (64, 128), (10,), (128, 10)]
+    assert [x.shape for x in jax.tree.leaves(digits.params)] == [
+        (128,), (64, 128), (10,), (128, 10)]
     wide = cv.make_workload("lm-wide", 0, steps=3, ranks=8)
     assert wide.train[0].shape == (3, 32, 129) and wide.val[0].shape[1] == 129
     # Its validation text is the start of the lm workload's training text.
