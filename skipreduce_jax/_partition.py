@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Literal
@@ -196,7 +197,8 @@ def apply(eqn: Any, vals: list[Any], layouts: list[Layout],
     rule = _RULES.get(name)
     if rule is not None:
         return rule(eqn, vals, layouts, report)
-    if all(layout is None for layout in layouts) and not _user_rule(eqn):
+    if (all(layout is None for layout in layouts) and not _user_rule(eqn)
+            and not name.startswith(_SPARSE)):
         return _bind(eqn, vals), [None] * len(eqn.outvars)
     if name in ELEMENTWISE:
         return _elementwise(eqn, vals, layouts, report)
@@ -622,17 +624,30 @@ def _invariant(x: Any, layout: Layout, report: PartitionReport, why: str) -> Any
         return x
     report.note(why, int(np.prod(x.shape)))
     if not _is_float(x):
-        return lax.pmax(x, report.axes)
+        return _first(x, report.axes)
     return _same(x, report)
 
 
 def settled(x: Any, report: PartitionReport) -> Any:
-    """A whole output, typed invariant: the same on every rank (a max of equal values)."""
+    """A whole output, typed invariant: the same on every rank (rank 0's value)."""
     if not set(report.axes) & varying_axes(x):
         return x
+    return _first(x, report.axes)
+
+
+def _first(x: Any, axes: tuple[str, ...]) -> Any:
+    """``x`` of the first rank, typed invariant over ``axes``: its bits, NaN and inf kept.
+
+    (XLA:CPU's ``pmax`` drops NaN: of all-NaN values it gives -inf.)
+    """
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_first(jax.random.key_data(x), axes),
+                                        impl=jax.random.key_impl(x))
     if x.dtype == bool:
-        return lax.pmax(x.astype(np.uint8), report.axes).astype(bool)
-    return lax.pmax(x, report.axes)
+        return lax.pmax(x.astype(np.uint8), axes).astype(bool)
+    if not _is_float(x):
+        return lax.pmax(x, axes)
+    return lax.psum(jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros((), x.dtype)), axes)
 
 
 def _same(x: Any, report: PartitionReport) -> Any:
@@ -640,9 +655,9 @@ def _same(x: Any, report: PartitionReport) -> Any:
 
     @jax.custom_vjp
     def same(a):
-        return lax.pmax(a, report.axes)
+        return _first(a, report.axes)
 
-    same.defvjp(lambda a: (lax.pmax(a, report.axes), None),
+    same.defvjp(lambda a: (_first(a, report.axes), None),
                 lambda _, ct: (varying(ct / report.ranks, report),))
     return same(x)
 
@@ -812,6 +827,9 @@ def _guarded(rule):
 
 
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# jax.experimental.sparse's primitives: their transposes drop per-rank types,
+# so they always run on values typed the same on every rank.
+_SPARSE = ("bcoo_", "bcsr_")
 _RULES: dict[str, Callable[..., Any]] = {
     "broadcast_in_dim": _guarded(_broadcast_in_dim),
     "reshape": _guarded(_reshape),

@@ -21,6 +21,7 @@ import optax
 import pytest
 from helpers import zero_size_collectives
 from jax import lax
+from jax.experimental import sparse as jsparse
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -204,6 +205,34 @@ def _time_major(p, x, y):
     return jnp.mean(h ** 2) + jnp.mean(ys)
 
 
+def _nan_row_max(p, x, y):
+    # One bad example: its loss is left out, and the batch's max says NaN.
+    per = jnp.where(jnp.arange(x.shape[0]) == 5, jnp.nan, _xent(p, x, y))
+    return jnp.mean(jnp.where(jnp.isnan(per), 0.0, per)), {"max": jnp.max(per),
+                                                           "min": jnp.min(per)}
+
+
+def _key_in_aux(p, x, y, key):
+    # A key advanced in a loop (noise per pass) and returned for the next step.
+    def body(i, carry):
+        k, total = carry
+        k, sub = jax.random.split(k)
+        noisy = x + 0.1 * jax.random.normal(sub, x.shape)
+        return k, total + jnp.mean(_xent(p, noisy, y))
+    key, total = lax.fori_loop(0, 3, body, (key, 0.0))
+    return total, key
+
+
+_ADJACENCY = jsparse.BCOO.fromdense(
+    (RNG.random((B, B)) < 0.1).astype(np.float32) + np.eye(B, dtype=np.float32))
+
+
+def _sparse_adjacency(p, x, y):
+    # A GCN over the batch's nodes: a closed-over jax.experimental.sparse matrix.
+    h = jnp.tanh(_ADJACENCY @ (x @ p["w"]))
+    return jnp.mean((_ADJACENCY @ (h @ p["v"])) ** 2)
+
+
 # name: (loss, extra arguments after (params, x, y), has_aux)
 CASES = {
     "sum": (_sum, (), False),
@@ -228,6 +257,9 @@ CASES = {
     "custom_vjp_on_a_param": (_custom_vjp_on_a_param, (), False),
     "relu_at_zero": (_relu_at_zero, (), False),
     "debug_print": (_debug_print, (), False),
+    "nan_row_max": (_nan_row_max, (), True),
+    "key_in_aux": (_key_in_aux, (KEY,), True),
+    "sparse_adjacency": (_sparse_adjacency, (), False),
 }
 
 
@@ -264,6 +296,9 @@ def _assert_close(got, want, what):
                             jax.tree_util.tree_leaves(want), strict=True):
         where = f"{what}{jax.tree_util.keystr(path)}"
         assert np.shape(g) == np.shape(w), where
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            assert jax.dtypes.issubdtype(g.dtype, jax.dtypes.prng_key), where
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
         if np.issubdtype(np.asarray(w).dtype, np.inexact):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=where)
         else:
