@@ -310,6 +310,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
                              None if placed is None else placed_params)
         program = _Program.trace(fun, args, params_at, given_batch, placed, axes, ranks,
                                  microbatches, check)
+        _check_output(program, has_aux)
         wrapped.report = program.report
         treedef = jax.tree_util.tree_structure(params)
         outs, grads, new_state = _run(program, mesh, axes, ranks, clock, salted, specs,
@@ -323,7 +324,10 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
             twin = None if exact is settings else lambda: _run(
                 program, mesh, axes, ranks, clock, salted, specs, exact, tx, treedef, 1)[:2]
             _check_first_step(program, outs, grads, clock[0], mesh, treedef, twin)
-        out = program.out_tree.unflatten(outs), jax.tree_util.tree_unflatten(treedef, grads)
+        value = program.out_tree.unflatten(outs)
+        if has_aux:  # a list [value, aux] comes back a tuple, as from jax.value_and_grad
+            value = tuple(value)
+        out = value, jax.tree_util.tree_unflatten(treedef, grads)
         return out if state is None else (*out, new_state)
 
     def init_state(params):
@@ -340,6 +344,29 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
     wrapped.report = None
     wrapped.init_state = init_state
     return wrapped
+
+
+def _check_output(program: _Program, has_aux: bool) -> None:
+    """Refuses what ``jax.value_and_grad`` refuses: an aux output that is not a
+    pair, a value that is not one real scalar."""
+    shown = program.out_tree.unflatten(program.closed.out_avals)
+    if has_aux:
+        if not isinstance(shown, (tuple, list)) or len(shown) != 2:
+            raise TypeError(
+                f"{_API}: with has_aux=True, fun must return a pair (value, aux), as "
+                f"for jax.value_and_grad; it returned {shown}. Return (loss, aux), or "
+                "pass has_aux=False.")
+        shown = shown[0]
+    if not isinstance(shown, jax.core.ShapedArray) or shown.shape != ():
+        raise TypeError(
+            f"{_API}: fun's value must be a scalar, as for jax.value_and_grad; it "
+            f"returned {shown}. Reduce it to one number (e.g. jnp.mean), or return "
+            "the rest as aux with has_aux=True.")
+    if not jnp.issubdtype(shown.dtype, jnp.floating):
+        raise TypeError(
+            f"{_API}: fun's value must be real floating point, as for "
+            f"jax.value_and_grad; it is {shown.dtype}. Cast it, e.g. "
+            "loss.astype(jnp.float32).")
 
 
 class _Program:

@@ -260,3 +260,32 @@ def test_launch_timeout_zero_means_no_limit():
     assert launch._parser().parse_args(["-n", "1", "--timeout", "0", "job.py"]).timeout == 0
     with pytest.raises(launch.LaunchError, match="> 0 seconds and finite"):
         launch.launch("job.py", num_processes=1, timeout=float("inf"))
+
+
+@pytest.mark.parametrize("loss, has_aux, match", [
+    (lambda w, x: jnp.mean((x @ w) ** 2), True, "must return a pair"),
+    (lambda w, x: (jnp.mean((x @ w) ** 2), 1.0, 2.0), True, "must return a pair"),
+    (lambda w, x: (x @ w) ** 2, False, "must be a scalar"),
+    (lambda w, x: ((x @ w) ** 2, {}), True, "must be a scalar"),
+    (lambda w, x: jnp.sum(x @ w > 0), False, "real floating point"),
+], ids=["aux-missing", "aux-triple", "vector", "vector-with-aux", "int"])
+def test_value_and_grad_refuses_what_jax_value_and_grad_refuses(loss, has_aux, match):
+    with pytest.raises(TypeError):  # jax's own
+        jax.value_and_grad(loss, has_aux=has_aux)(jnp.ones(3), jnp.ones((16, 3)))
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((16, 3)), NamedSharding(mesh, P("data")))
+    grad_fn = sr.value_and_grad(loss, mesh, step=0, num_skip=0, min_size=0, has_aux=has_aux)
+    with jax.set_mesh(mesh), pytest.raises(TypeError, match=match):
+        jax.jit(grad_fn)(jnp.ones(3), x)
+
+
+def test_value_and_grad_returns_aux_as_a_tuple_like_jax():
+    def loss(w, x):
+        return [jnp.mean((x @ w) ** 2), {"a": jnp.sum(x)}]
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((16, 3)), NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        out, _ = jax.jit(sr.value_and_grad(loss, mesh, step=0, num_skip=0, min_size=0,
+                                           has_aux=True))(jnp.ones(3), x)
+    want, _ = jax.value_and_grad(loss, has_aux=True)(jnp.ones(3), jnp.ones((16, 3)))
+    assert type(out) is type(want) is tuple and float(out[1]["a"]) == 48.0
