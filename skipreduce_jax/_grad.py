@@ -347,8 +347,10 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
 
 
 def _check_output(program: _Program, has_aux: bool) -> None:
-    """Refuses what ``jax.value_and_grad`` refuses: an aux output that is not a
-    pair, a value that is not one real scalar."""
+    """Refuses what ``jax.value_and_grad`` refuses, naming it.
+
+    That is, an aux output that is not a pair, a value that is not one real scalar.
+    """
     shown = program.out_tree.unflatten(program.closed.out_avals)
     if has_aux:
         if not isinstance(shown, (tuple, list)) or len(shown) != 2:
