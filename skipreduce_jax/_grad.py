@@ -192,6 +192,32 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           state: Any = None) -> Callable[..., Any]:
     """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
     mesh = _resolve_mesh(mesh)
+    again = functools.partial(
+        build, fun, mesh, axis_name, step=step, has_aux=has_aux, batch_argnums=batch_argnums,
+        param_specs=param_specs, microbatches=microbatches, skip_options=skip_options,
+        config=config, check=check, describe=describe, state=state)
+    ints = argnums if isinstance(argnums, Sequence) else (argnums,)
+    if any(isinstance(i, (int, np.integer)) and i < 0 for i in ints):
+        # As jax counts them: from the end, once a call says how many there are.
+        by_arity: dict[int, Callable[..., Any]] = {}
+
+        def from_end(*args, **kwargs):
+            n = len(args)
+            if n not in by_arity:
+                bad = [i for i in ints if not -n <= i < n]
+                if bad:
+                    raise ValueError(f"{_API}: argnums={argnums!r} is out of range for a "
+                                     f"call with {n} positional arguments.")
+                fixed = [i % n for i in ints]
+                by_arity[n] = again(argnums=fixed if isinstance(argnums, Sequence) else fixed[0])
+            inner = by_arity[n]
+            out = inner(*args, **kwargs)
+            from_end.report = inner.report
+            return out
+
+        from_end.report = None
+        from_end.init_state = again(argnums=0).init_state
+        return from_end
     if axis_name is None and len(mesh.axis_names) > 1:
         # The data axis is the one the batch's rows are split over, as the
         # batch's types say under Explicit axes: read at the first call.

@@ -289,3 +289,20 @@ def test_value_and_grad_returns_aux_as_a_tuple_like_jax():
                                            has_aux=True))(jnp.ones(3), x)
     want, _ = jax.value_and_grad(loss, has_aux=True)(jnp.ones(3), jnp.ones((16, 3)))
     assert type(out) is type(want) is tuple and float(out[1]["a"]) == 48.0
+
+
+@pytest.mark.parametrize("argnums", [-3, (-2,), (0, -2)])
+def test_value_and_grad_counts_negative_argnums_from_the_end_like_jax(argnums):
+    def loss(w, v, x):
+        return jnp.mean((x @ w) ** 2) + jnp.sum(v ** 2)
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((16, 3)), NamedSharding(mesh, P("data")))
+    w, v = jnp.arange(3.0), jnp.ones(2)
+    want = jax.value_and_grad(loss, argnums=argnums)(w, v, jnp.ones((16, 3)))
+    grad_fn = sr.value_and_grad(loss, mesh, step=0, num_skip=0, min_size=0, argnums=argnums)
+    with jax.set_mesh(mesh):
+        got = jax.jit(grad_fn)(w, v, x)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+    with pytest.raises(ValueError, match="out of range"):
+        sr.value_and_grad(loss, mesh, step=0, num_skip=0, argnums=-4)(w, v, x)
