@@ -1,4 +1,4 @@
-"""complex dtypes, keys as data, forward-mode, argument structures: losses + interface probes."""
+"""Complex dtypes, keys as data, forward mode, argument structures."""
 from typing import NamedTuple
 
 import flax
