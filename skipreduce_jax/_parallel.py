@@ -470,7 +470,9 @@ def run_per_rank(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axes: tuple[st
 
     def local(*local_flat):
         with _shards.hints(local_flat, other), counting_over(axes):
+            found["in_step"] = True
             out = fn(*in_tree.unflatten(local_flat))
+            found["in_step"] = False
         with_paths, found["tree"] = jax.tree_util.tree_flatten_with_path(out)
         found["ndims"] = [np.ndim(leaf) for _, leaf in with_paths]
         found["flags"] = per_rank_flags(out)
@@ -509,18 +511,17 @@ def run_per_rank(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axes: tuple[st
     try:
         jax.eval_shape(mapped(probe, (), ()), *flat)
     except ValueError as e:
-        if not any(m in str(e) for m in PJIT_ONLY):
+        if not found.get("in_step"):  # the library's own check of the outputs
             raise
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(
-            f"{api}: JAX refused a sharding set inside the per-rank step "
-            "(a with_sharding_constraint, or flax unboxing a partitioned "
-            f"kernel): {first} Inside the step the data axes {list(axes)} are "
-            "Manual and each rank holds only its own rows. Constrain with the "
-            "step's mesh and without the data axes, put the constraint in the "
-            "loss given to local_value_and_grad (replayed per rank on Auto "
-            "axes), or keep the step pjit code and take the gradients with "
-            "skipreduce_jax.value_and_grad.") from e
+        e.add_note(
+            f"{api}: the step runs per rank, in a shard_map where the data axes "
+            f"{list(axes)} are Manual and each rank holds only its own rows. If "
+            "this refuses a sharding set in the step (a with_sharding_constraint, "
+            "or flax unboxing a partitioned kernel): constrain with the step's "
+            "mesh and without the data axes, put the constraint in the loss given "
+            "to local_value_and_grad (replayed per rank on Auto axes), or keep the "
+            "step pjit code and take the gradients with skipreduce_jax.value_and_grad.")
+        raise
     out_tree = found["tree"]
     out_specs = tuple(spec if r else P() for r in found["rows"])
     full = [_out_spec(layout, ndim, spec if f else None, manual, axes)
@@ -531,11 +532,6 @@ def run_per_rank(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axes: tuple[st
         out = [lax.with_sharding_constraint(o, NamedSharding(mesh, f))
                for o, f in zip(out, full, strict=True)]
     return out_tree.unflatten(out)
-
-
-# JAX's and flax's errors for pjit-only sharding code traced per rank.
-PJIT_ONLY = ("with_sharding_constraint", "manual_axis_type",
-              "only valid for values of rank at least")
 
 
 def _respell(x: Any, mesh: jax.sharding.Mesh, stripped: bool) -> Any:

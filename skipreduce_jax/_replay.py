@@ -142,18 +142,23 @@ def trace(fun: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool],
 
     try:
         closed, out = traced_under(one_rank or jax.sharding.AbstractMesh((), ()))
-    except NameError as e:  # an unbound axis name: the loss's own collective
-        if one_rank or not any(repr(a) in str(e) or f" {a}." in str(e) for a in axes):
+    except (NameError, RuntimeError) as first:
+        # An unbound axis name (the loss's own collective over the data
+        # axes), or a bare PartitionSpec (it needs a mesh): traced again with
+        # the data axes bound and the mesh set; if that fails too, the first
+        # error is the one raised.
+        if one_rank:
             raise
-        closed, out = traced_under(
-            abstract.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
-                                        for a in abstract.axis_names}),
-            axis_env=[(a, mesh.shape[a]) for a in axes])
-    except RuntimeError as e:  # a bare PartitionSpec: it needs a mesh
-        if one_rank or "non-empty mesh" not in str(e):
-            raise
-        closed, out = traced_under(
-            abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names}))
+        again = (abstract.update_axis_types({a: AxisType.Manual if a in axes else AxisType.Auto
+                                             for a in abstract.axis_names}),
+                 dict(axis_env=[(a, mesh.shape[a]) for a in axes]))
+        if isinstance(first, RuntimeError):
+            again = (abstract.update_axis_types({a: AxisType.Auto
+                                                 for a in abstract.axis_names}), {})
+        try:
+            closed, out = traced_under(again[0], **again[1])
+        except Exception:
+            raise first from None
     in_varying = [per_leaf[i] for i in at]
     return Traced(closed.jaxpr, list(closed.consts), at,
                   jax.tree_util.tree_structure(out), in_varying)

@@ -37,7 +37,6 @@ from skipreduce_jax import _checks as checks
 from skipreduce_jax._guards import leaf_agreement
 from skipreduce_jax._multisteps import check_owner, place_accumulators
 from skipreduce_jax._parallel import (
-    PJIT_ONLY,
     as_tuple,
     build_step,
     check_batch,
@@ -117,14 +116,22 @@ def local_value_and_grad(
 def per_rank_value_and_grad(fun: Callable[..., Any], args: Sequence[Any],
                             kwargs: dict[str, Any], axes: tuple[str, ...], *,
                             argnums: int | Sequence[int], has_aux: bool) -> Any:
-    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed."""
+    """``jax.value_and_grad(fun)(*args)`` in a per-rank step, as written or replayed.
+
+    Where JAX refuses ``fun`` as written (a ValueError: a layout naming a
+    data axis, which is Manual here), it is replayed; if that fails too, the
+    first refusal is raised.
+    """
     try:
         return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
-    except ValueError as e:
-        if kwargs or not any(m in str(e) for m in PJIT_ONLY):
+    except ValueError as refused:
+        if kwargs:
             raise
-    return jax.value_and_grad(_replayed(fun, args, axes), argnums=argnums,
-                              has_aux=has_aux)(*args)
+        try:
+            return jax.value_and_grad(_replayed(fun, args, axes), argnums=argnums,
+                                      has_aux=has_aux)(*args)
+        except Exception:
+            raise refused from None
 
 
 def _replayed(fun: Callable[..., Any], args: Sequence[Any],
