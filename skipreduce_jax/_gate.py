@@ -16,6 +16,13 @@ both of these hold, each an exponential mean over about the last
   ``<g_(t+1), p_(t+1) - p_t> > 0`` (the gradient-restart test), as at the
   edge of stability. Its share is held below ``OVERSHOOT``.
 
+And once it has opened, it shuts for good (the residual dropped) when
+the steps grow: the sampled step's norm, an exponential mean over about
+3 steps, beyond ``GROWTH`` times its mean while shut. On a transformer
+that rarely overshot, feeding back made the steps grow 2x within 12 steps
+of opening and diverge within 20; where it helped, they stayed under
+1.7x.
+
 Both start at 1, shut: the first opening comes after about 45 steps
 (``0.95 ** 45 < NONLINEAR``). Both tests read the same fixed sample of
 ``SAMPLE`` elements per leaf, the overshoot's dot product weighted back
@@ -39,6 +46,8 @@ MEMORY = 0.05
 OVERSHOOT = 0.5
 NONLINEAR = 0.1
 SAMPLE = 256
+GROWTH = 2.0
+RECENT = 0.3  # the recent step norm's weight per step
 
 
 class FeedbackGateState(NamedTuple):
@@ -54,6 +63,10 @@ class FeedbackGateState(NamedTuple):
       nonlinear: float32, the mean unexplained share of a step (starts at 1).
       last_step, last_grad: float32[leaves, SAMPLE], the sampled elements
         of the last step and of the gradient delivered last.
+      calm: float32, the sampled step's norm, a mean over the steps taken
+        shut (0 before the first).
+      recent: float32, the same over about the last 3 steps.
+      tripped: bool, True once the steps grew while it fed back: shut for good.
     """
 
     skip: PyTree
@@ -62,6 +75,9 @@ class FeedbackGateState(NamedTuple):
     nonlinear: jax.Array
     last_step: jax.Array
     last_grad: jax.Array
+    calm: jax.Array
+    recent: jax.Array
+    tripped: jax.Array
 
 
 def _sample(leaves: list[jax.Array]) -> jax.Array:
@@ -85,15 +101,19 @@ def _weights(leaves: list[jax.Array]) -> jax.Array:
 def init(skip: Any, params: Any) -> FeedbackGateState:
     leaves = jax.tree_util.tree_leaves(params)
     empty = _sample([jnp.zeros(0)] * len(leaves))
+    zero = jnp.zeros((), jnp.float32)
     return FeedbackGateState(skip, _sample(leaves),
                              jnp.ones((), jnp.float32), jnp.ones((), jnp.float32),
-                             empty, empty)
+                             empty, empty, zero, zero, jnp.zeros((), jnp.bool_))
 
 
 def is_open(state: FeedbackGateState, axes: tuple[str, ...]) -> jax.Array:
     """Whether this step feeds back: the same bool on every rank."""
-    open_ = (state.overshooting < OVERSHOOT) & (state.nonlinear < NONLINEAR)
-    return lax.pmin(open_.astype(jnp.int32), axes) > 0
+    return lax.pmin(_rule(state).astype(jnp.int32), axes) > 0
+
+
+def _rule(state: FeedbackGateState) -> jax.Array:
+    return (state.overshooting < OVERSHOOT) & (state.nonlinear < NONLINEAR) & ~state.tripped
 
 
 def unexplained(step: jax.Array, last_step: jax.Array, grad: jax.Array) -> jax.Array:
@@ -122,11 +142,19 @@ def advance(state: FeedbackGateState, skip: Any, delivered: Any, params: Any
     overshot = jnp.sum(_weights(grads) * grad * step) > 0
     count = state.skip.count  # steps before this one
 
-    def mean(old, new, since):  # the test needs `since` steps taken
-        return jnp.where(count >= since, (1 - MEMORY) * old + MEMORY * new, old)
+    def mean(old, new, since, weight=MEMORY):  # the test needs `since` steps taken
+        return jnp.where(count >= since, (1 - weight) * old + weight * new, old)
 
+    def norm_mean(old, new, weight):  # from the first step taken, which sets it
+        return jnp.where(old > 0, mean(old, new, 1, weight), jnp.where(count >= 1, new, old))
+
+    fed = _rule(state)  # this step fed back (the ranks agree: their states are equal)
+    norm = jnp.linalg.norm(step)
+    calm = jnp.where(fed, state.calm, norm_mean(state.calm, norm, MEMORY))
+    recent = norm_mean(state.recent, norm, RECENT)
     return FeedbackGateState(
         skip, now,
         mean(state.overshooting, overshot.astype(jnp.float32), 1),
         mean(state.nonlinear, unexplained(step, state.last_step, state.last_grad), 2),
-        step, grad)
+        step, grad, calm, recent,
+        state.tripped | (fed & (calm > 0) & (recent > GROWTH * calm)))

@@ -421,4 +421,6 @@ def test_held_out_workloads():
     import train_lm  # examples/, on the path once a workload is made
     lm_train = train_lm.load_corpus(2**19, 2**15).train
     assert wide.val[0][0].astype(np.uint8).tobytes() in lm_train[:2**16].tobytes()
+    deep = cv.make_workload("mlp-deep", 0, steps=3, ranks=8)
+    assert deep.train[0].shape == (3, 256, 64) and len(jax.tree.leaves(deep.params)) == 10
     assert set(cv.HELD_OUT) <= set(cv.WORKLOADS) and all(w in cv.TARGET_RULES for w in cv.HELD_OUT)

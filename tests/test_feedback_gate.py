@@ -96,6 +96,37 @@ def test_the_overshoot_test_weighs_each_leafs_sample_by_its_size():
     assert float(state.overshooting) == pytest.approx(m * m + _gate.MEMORY)
 
 
+@pytest.mark.parametrize("growth, trips", [(1.0, False), (1.5, False), (4.0, True)])
+def test_the_gate_shuts_for_good_when_the_steps_grow_while_it_feeds_back(growth, trips):
+    """Shut, the steps have norm 1; open, they grow to ``growth``: beyond 2x it trips."""
+    params = {"w": jnp.zeros(8)}
+    state = _gate.init(sr.SkipReduceState(jnp.int32(0), None, None, None), params)
+    p = jnp.zeros(8)
+
+    def step(state, size):
+        nonlocal p
+        skip = state.skip._replace(count=state.skip.count + 1)
+        p = p.at[0].add(size)
+        state = _gate.advance(state, skip, {"w": -jnp.ones(8)}, {"w": p})  # never overshoots
+        return state._replace(nonlinear=linear)  # as SGD reads from step 40 on
+
+    linear = jnp.float32(1.0)
+    for _ in range(40):
+        state = step(state, 1.0)
+    assert float(state.calm) == pytest.approx(1.0) and not bool(state.tripped)
+    linear = jnp.float32(0.0)
+    state = state._replace(nonlinear=linear)  # the rule holds: it opens
+    mesh = jax.make_mesh((N,), ("data",))
+    is_open = jax.jit(jax.shard_map(lambda s: _gate.is_open(s, ("data",)), mesh=mesh,
+                                    in_specs=P(), out_specs=P()))
+    assert bool(is_open(state))
+    for _ in range(20):
+        state = step(state, growth)
+    if not trips:  # open all along: the mean of the steps taken shut is kept
+        assert float(state.calm) == pytest.approx(1.0)
+    assert bool(state.tripped) == trips and bool(is_open(state)) == (not trips)
+
+
 def test_unexplained_is_zero_for_a_momentum_step_and_large_for_a_normalized_one():
     rng = np.random.default_rng(0)
     last_step, grad = rng.normal(size=(2, 3, 256)).astype(np.float32)
