@@ -3,9 +3,11 @@
 Random (``error_feedback=False``), ``True`` and ``"auto"`` train the same
 workload in the same process, in turns, so machine noise hits each alike.
 The bytes on the wire are the same for all three; this measures the rest:
-the residual pass, and for ``"auto"`` the params copy, its rule and its
-``pmin``. On emulated CPU devices the ring is cheap: the ratios are those
-of a step where these passes weigh the most.
+the residual pass, and for ``"auto"`` its rule (on a 256-element sample
+per leaf), its branch and its ``pmin``; and the memory: each variant's
+state per device and the compiled step's temporaries. On emulated CPU
+devices the ring is cheap: the ratios are those of a step where these
+passes weigh the most.
 
     .venv/bin/python benchmarks/gate_cost.py --workloads mlp-named,lm
 """

@@ -207,8 +207,8 @@ def skip_reduce(
       error_feedback: each rank adds what skipping left out to its next
         step; per-rank state, placed by :func:`state_specs`. ``"auto"``:
         only while a measured rule says so (SGD-type optimizer, steps that
-        rarely overshoot; :class:`FeedbackGateState`); it keeps the last
-        params too.
+        rarely overshoot, until its steps grow; :class:`FeedbackGateState`);
+        it keeps a 256-element sample per leaf of the last params too.
       exact_radial: each output channel's update exact along its weights and
         its mean input; None: on where the params hold a BatchNorm.
       inner_axis: a fast axis summed in full (hierarchical SkipReduce).
