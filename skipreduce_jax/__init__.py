@@ -22,6 +22,7 @@ from skipreduce_jax._collectives import skip_pmean as skip_pmean
 from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_and_left_out
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
+from skipreduce_jax._config import RingOptions as RingOptions
 from skipreduce_jax._config import SkipOptions as SkipOptions
 from skipreduce_jax._count import mean_count as mean_count
 from skipreduce_jax._gate import FeedbackGateState as FeedbackGateState
@@ -68,4 +69,4 @@ from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize
 from skipreduce_jax.distributed import process_info as process_info
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"

@@ -35,7 +35,7 @@ from skipreduce_jax._buckets import (
 from skipreduce_jax._config import (
     RingSettings,
     SkipConfig,
-    config_or_keywords,
+    ring_keywords,
     ring_settings,
     skip_config,
 )
@@ -486,25 +486,18 @@ def ring_psum(
     return _reduce(x, ring, key=None, phase=0, scale=None, gather=gather, specs=specs)
 
 
-@config_or_keywords
+@ring_keywords
 def skip_psum(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
-    chunks_per_rank: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
     specs: PyTree = None,
-    comm_dtype: DTypeLike | None = None,
-    layout: str = "flat",
 ) -> PyTree:
     """SkipReduce all-reduce: a ring sum that skips ``num_skip`` steps.
 
@@ -523,13 +516,14 @@ def skip_psum(
         be None for ``randomize=False`` or ``num_skip=0``. A key that varies
         over the axis is refused at trace time under ``check_vma=True``;
         with ``check_vma=False`` JAX's types cannot tell.
-      num_skip: k, a Python int in [0, N - 1]. Give it or ``config``.
-      config: a :class:`SkipConfig` in place of the keywords ``num_skip``
-        (or its ``skip_ratio``), ``randomize``, ``chunks_per_rank``,
-        ``bucket_bytes``, ``accumulate_dtype``, ``comm_dtype`` and
-        ``layout`` (refused beside it); its other fields are not read.
-      randomize: False is static SkipReduce: the same k ranks are left out
-        for a given element whatever the key (biased; for comparison).
+      config: a :class:`SkipConfig`, of which the ring settings are read
+        (:class:`RingOptions`: k as ``num_skip`` or ``skip_ratio``,
+        ``randomize``, ``chunks_per_rank``, ``bucket_bytes``,
+        ``accumulate_dtype``, ``comm_dtype``, ``layout``), not the
+        optimizer's. ``randomize=False`` is static SkipReduce: the same k
+        ranks are left out for a given element whatever the key (biased;
+        for comparison). ``comm_dtype`` is the dtype on the wire over
+        ``axis_name`` (an ``inner_axis`` is summed in ``accumulate_dtype``).
       phase: the step's place in a balanced period: with the key and phase
         of :func:`balanced_draw` (period :func:`ring_period`), every rank is
         summed into every element equally often over each period. 0 (the
@@ -538,17 +532,11 @@ def skip_psum(
         ``randomize=True``.
       inner_axis: hierarchical mode: a second (fast) axis summed in full;
         only ``axis_name`` is skipped.
-      chunks_per_rank: sub-chunks per ring slot, each randomized on its own.
-      bucket_bytes: the byte cap of one packed buffer, one ring each.
-      accumulate_dtype: the dtype the sums are added in (never narrower
-        than a leaf's).
-      comm_dtype: the dtype on the wire over ``axis_name`` (an
-        ``inner_axis`` is summed in ``accumulate_dtype``).
-      layout: ``"flat"`` or ``"units"``, how the leaves are packed. These
-        five are detailed with :ref:`skip_reduce's options
-        <skip-reduce-option-details>`.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
       specs: as in :func:`ring_psum`.
+      **ring_options: the ring settings as keywords in place of ``config``
+        (refused beside it), e.g. ``num_skip=4``; each is detailed with
+        :ref:`skip_reduce's options <skip-reduce-option-details>`.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -585,25 +573,18 @@ def skip_psum(
                    specs=specs)
 
 
-@config_or_keywords
+@ring_keywords
 def skip_pmean(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     normalize: Normalize = "contributors",
     inner_axis: str | None = None,
-    chunks_per_rank: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
     specs: PyTree = None,
-    comm_dtype: DTypeLike | None = None,
-    layout: str = "flat",
 ) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
@@ -623,25 +604,18 @@ def skip_pmean(
                   specs=specs)
 
 
-@config_or_keywords
+@ring_keywords
 def skip_pmean_and_left_out(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     normalize: Normalize = "contributors",
     inner_axis: str | None = None,
-    chunks_per_rank: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: DTypeLike | None = None,
     gather: _ring.Gather = "native",
     specs: PyTree = None,
-    comm_dtype: DTypeLike | None = None,
-    layout: str = "flat",
 ) -> tuple[PyTree, PyTree]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
@@ -701,21 +675,16 @@ def pmean_for_update(x: PyTree, axis_name: str, *, config: SkipConfig, key: Any,
                   with_left_out=with_left_out, in_place=False)
 
 
-@config_or_keywords
+@ring_keywords
 def contribution_mask(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     inner_axis: str | None = None,
-    chunks_per_rank: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     specs: PyTree = None,
-    layout: str = "flat",
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
 
@@ -809,21 +778,16 @@ def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
     return plan.unpack(rows, fill=zeros)
 
 
-@config_or_keywords
+@ring_keywords
 def skip_psum_scatter(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     rescale: bool = False,
     inner_axis: str | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    accumulate_dtype: DTypeLike | None = None,
-    comm_dtype: DTypeLike | None = None,
 ) -> PyTree:
     """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
 
@@ -853,24 +817,22 @@ def skip_psum_scatter(
       x: a pytree of arrays (floating or integer) with a leading axis.
       axis_name: the mesh axis to reduce over.
       key: a PRNG key identical on every rank (None for static or k = 0).
-      num_skip: k, a Python int in [0, N - 1]. Give it or ``config``.
       config: a :class:`SkipConfig`, as in :func:`skip_psum`; a scatter
         reads neither its ``chunks_per_rank`` and ``layout`` nor the
-        optimizer's fields.
-      randomize: False is static: the same ranks are left out whatever the key.
+        optimizer's fields. ``randomize=False`` is static: the same ranks
+        are left out whatever the key. ``comm_dtype``: each piece crosses
+        rounded to it and is added in ``accumulate_dtype`` (float32 when
+        None); the owner's block comes back in the leaves' dtype (there is
+        no gather). With float16, if any rank's block holds a NaN or Inf (a
+        piece beyond 65504 crosses as Inf), every rank's whole block is
+        NaN: the ranks agree by one ``pmin`` of a flag (float16 only).
       phase: the step's place in a balanced period (:func:`balanced_draw`
         with :func:`scatter_period`, not :func:`ring_period`: the scatter
         cycles through the N - 1 other ranks); 0: the key's own draw.
       rescale: multiply by N / (N - k).
       inner_axis: hierarchical mode: a second (fast) axis reduced in full.
-      bucket_bytes: the byte cap of one packed buffer.
-      accumulate_dtype: e.g. ``jnp.float32`` to add bfloat16 values in float32.
-      comm_dtype: as in :func:`skip_psum`: each piece crosses rounded to it
-        and is added in ``accumulate_dtype`` (float32 when None); the owner's
-        block comes back in the leaves' dtype (there is no gather). With
-        float16, if any rank's block holds a NaN or Inf (a piece beyond
-        65504 crosses as Inf), every rank's whole block is NaN: the ranks
-        agree by one ``pmin`` of a flag (float16 only).
+      **ring_options: the ring settings as keywords in place of ``config``,
+        as in :func:`skip_psum`.
 
     Returns:
       This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in
@@ -897,18 +859,15 @@ def skip_psum_scatter(
     return _scatter(x, ring, key=key, phase=phase, scale=scale)
 
 
-@config_or_keywords
+@ring_keywords
 def scatter_contribution_mask(
     x: PyTree,
     axis_name: str,
     *,
     key: jax.Array | None,
-    num_skip: int | None = None,
     config: SkipConfig | None = None,
-    randomize: bool = True,
     phase: jax.Array | int = 0,
     inner_axis: str | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
 

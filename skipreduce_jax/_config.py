@@ -12,7 +12,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
@@ -47,6 +47,24 @@ class SkipOptions(TypedDict, total=False):
     check_finite: bool
     params_sharded: bool
     verify_sync: bool
+    comm_dtype: DTypeLike | None
+    layout: str
+
+
+class RingOptions(TypedDict, total=False):
+    """The ring settings of a :class:`SkipConfig`, as a collective's keywords.
+
+    What :func:`skip_psum` and the other collectives read of a config;
+    each is described at :func:`skip_reduce`. Give ``num_skip`` or
+    ``skip_ratio`` (resolved against the axis, as ``skip_reduce`` does).
+    """
+
+    num_skip: int | None
+    skip_ratio: float | None
+    randomize: bool
+    chunks_per_rank: int | None
+    bucket_bytes: int
+    accumulate_dtype: DTypeLike | None
     comm_dtype: DTypeLike | None
     layout: str
 
@@ -140,15 +158,38 @@ def config_or_keywords(fun):
     @functools.wraps(fun)
     def call(*args, config=None, **kwargs):
         given = {name: kwargs.pop(name) for name in sorted(names & kwargs.keys())}
-        if config is None and "skip_ratio" not in names:  # a collective's k
-            if given.get("num_skip") is None:
-                raise TypeError(
-                    f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or "
-                    "config= (a skipreduce_jax.SkipConfig); got neither.")
-            axis = args[1] if len(args) > 1 else kwargs.get("axis_name")
-            n, _ = checks.axes_pair(axis, kwargs.get("inner_axis"), api=api)
-            checks.check_num_skip(given["num_skip"], n, api=api)
         return fun(*args, config=skip_config(config, given, api=api), **kwargs)
+    return call
+
+
+def ring_keywords(fun):
+    """Gives a collective ``fun(x, axis_name, *, key, config, ...)`` keywords.
+
+    They are ``config``'s ring settings (:class:`RingOptions`). One thin
+    wrapper: ``fun``'s body reads only the checked ``config``; the keywords
+    build it (both together are refused, even at a default).
+    """
+    api = fun.__name__
+    signature = inspect.signature(fun)
+    shown = [p.replace(default=None) if p.name == "config" else p
+             for p in signature.parameters.values()]
+    shown.append(inspect.Parameter("ring_options", inspect.Parameter.VAR_KEYWORD,
+                                   annotation=Unpack[RingOptions]))
+
+    @functools.wraps(fun)
+    def call(x, axis_name, *, config=None, **kwargs):
+        given = {name: kwargs.pop(name) for name in RING_OPTIONS if name in kwargs}
+        if config is None and given.get("num_skip") is None and given.get(
+                "skip_ratio") is None:
+            raise TypeError(
+                f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or "
+                "config= (a skipreduce_jax.SkipConfig); got neither.")
+        if config is None and given.get("num_skip") is not None:
+            n, _ = checks.axes_pair(axis_name, kwargs.get("inner_axis"), api=api)
+            checks.check_num_skip(given["num_skip"], n, api=api)
+        return fun(x, axis_name, config=skip_config(config, given, api=api), **kwargs)
+
+    call.__signature__ = signature.replace(parameters=shown)
     return call
 
 

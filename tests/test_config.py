@@ -111,9 +111,9 @@ RING = dict(num_skip=3, chunks_per_rank=2, bucket_bytes=512, layout="units",
 
 
 def _keywords(api, settings):
-    """``settings`` (a SkipConfig's ring fields) as ``api``'s keywords."""
-    taken = inspect.signature(getattr(sr, api)).parameters
-    return {k: v for k, v in settings.items() if k in taken}
+    """``settings`` (a SkipConfig's ring fields) as ``api``'s keywords: all of them."""
+    assert set(settings) <= set(sr.RingOptions.__annotations__)
+    return dict(settings)
 
 
 def _tree(n, rng):
@@ -183,14 +183,10 @@ def test_neither_num_skip_nor_a_config_is_refused(api):
         getattr(sr, api)(jnp.ones((8, 4)), "i", key=None, config={"num_skip": 1})
 
 
-DEFAULT_BUCKET_BYTES = inspect.signature(sr.skip_psum).parameters["bucket_bytes"].default
-
-
 @pytest.mark.parametrize("api,keyword", [
     (api, keyword) for api in [*COLLECTIVES, "skip_reduce"]
     for keyword in (dict(randomize=True), dict(layout="flat"),
-                    dict(bucket_bytes=DEFAULT_BUCKET_BYTES))
-    if next(iter(keyword)) in inspect.signature(getattr(sr, api)).parameters])
+                    dict(bucket_bytes=sr.DEFAULT_BUCKET_BYTES))])
 def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
     # Not silently the config's value: a keyword given is refused even where
     # it equals its default (the config here says randomize=False).
@@ -201,3 +197,19 @@ def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
     with pytest.raises(TypeError, match=rf"^{api}: pass the settings as config= or as "
                        rf"keyword options, not both \(got config and \['{name}'\]\)"):
         call(config=config, **keyword)
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+def test_a_collective_shows_its_ring_settings_once_as_ring_options(api):
+    """(x, axis_name, *, key, config, ...): the ring settings are one **ring_options."""
+    params = inspect.signature(getattr(sr, api)).parameters
+    assert list(params)[:4] == ["x", "axis_name", "key", "config"]
+    assert params["config"].default is None
+    assert params["ring_options"].kind is inspect.Parameter.VAR_KEYWORD
+    assert not set(params) & set(sr.RingOptions.__annotations__)
+
+
+@pytest.mark.parametrize("api", COLLECTIVES)
+def test_a_collective_takes_skip_ratio_as_a_keyword(api):
+    tree = _tree(8, np.random.default_rng(4))
+    _assert_same(_on_ranks(api, tree, skip_ratio=0.5), _on_ranks(api, tree, num_skip=4))
