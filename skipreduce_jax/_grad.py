@@ -420,7 +420,7 @@ class _Program:
         owner = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
         at = [k for k, leaf in enumerate(leaves) if _is_array(leaf)]
         is_param = [owner[k] in params_at for k in at]
-        layouts = []
+        layouts, unknown = [], []
         for k, param in zip(at, is_param, strict=True):
             leaf, i = leaves[k], owner[k]
             spec = _shown_spec(leaf, axes) or (placed[k] if placed else None)
@@ -428,10 +428,22 @@ class _Program:
                 layouts.append(None)
             elif spec is not None and _split_dim(spec, axes) is not None:
                 layouts.append(_split_dim(spec, axes))
-            elif given_batch is not None or (spec is None and np.shape(leaf)[0] % ranks == 0):
+            elif given_batch is not None:
                 layouts.append(0)
             else:
                 layouts.append(None)
+                if spec is None and np.shape(leaf)[0] % ranks == 0:
+                    unknown.append(len(layouts) - 1)
+        # Arguments whose layout nothing shows are the batch where they have
+        # its rows: those of the arguments split over the data axes, else the
+        # most rows among them (a raw key's 2 words are not a batch of 2).
+        # Any choice is exact; a whole argument only costs its work N times.
+        shown = {np.shape(leaves[k])[d] for k, d in zip(at, layouts, strict=True)
+                 if d is not None}
+        rows = shown or {max((np.shape(leaves[at[j]])[0] for j in unknown), default=0)}
+        for j in unknown:
+            if np.shape(leaves[at[j]])[0] in rows:
+                layouts[j] = 0
         parts = ranks * microbatches
         for k, d in zip(at, layouts, strict=True):
             if d is not None and np.shape(leaves[k])[d] % parts:
@@ -1102,6 +1114,10 @@ def _param_specs(params: Any, given: Any, mesh: jax.sharding.Mesh,
         if unknown:
             raise ValueError(f"{_API}: param_specs names {sorted(unknown)}, not "
                              f"axes of the mesh {tuple(mesh.axis_names)}.")
+        if named & set(axes) and not np.size(leaf):  # nothing to split: as replicated
+            spec = P(*[None if set(_shards.spec_axes(P(e))) & set(axes) else e
+                       for e in spec])
+            named = set(_shards.spec_axes(spec))
         dim = _fsdp_dim(leaf, spec, mesh, axes) if named & set(axes) else None
         if dim is not None:  # FSDP: the compiler's axes are the other entries
             spec = P(*[None if d == dim else e for d, e in enumerate(spec)])

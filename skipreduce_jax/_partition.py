@@ -647,7 +647,11 @@ def _first(x: Any, axes: tuple[str, ...]) -> Any:
         return lax.pmax(x.astype(np.uint8), axes).astype(bool)
     if not _is_float(x):
         return lax.pmax(x, axes)
-    return lax.psum(jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros((), x.dtype)), axes)
+    # Summed in 32 bits at least: exact, and XLA:CPU aborts compiling some
+    # 16-bit all-reduces over one axis of two.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    first = jnp.where(lax.axis_index(axes) == 0, x.astype(wide), jnp.zeros((), wide))
+    return lax.psum(first, axes).astype(x.dtype)
 
 
 def _same(x: Any, report: PartitionReport) -> Any:
@@ -663,7 +667,7 @@ def _same(x: Any, report: PartitionReport) -> Any:
 
 
 def _is_float(x):
-    return hasattr(x, "dtype") and np.issubdtype(x.dtype, np.inexact)
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)  # bfloat16 too
 
 
 def _scan(eqn, vals, layouts, report):

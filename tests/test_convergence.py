@@ -424,3 +424,13 @@ def test_held_out_workloads():
     deep = cv.make_workload("mlp-deep", 0, steps=3, ranks=8)
     assert deep.train[0].shape == (3, 256, 64) and len(jax.tree.leaves(deep.params)) == 10
     assert set(cv.HELD_OUT) <= set(cv.WORKLOADS) and all(w in cv.TARGET_RULES for w in cv.HELD_OUT)
+
+
+def test_gate_trace_records_each_step(tmp_path):
+    from benchmarks import gate_trace
+    out = tmp_path / "trace.json"
+    rows = gate_trace.main(["--workload", "mlp", "--steps", "3", "--out", str(out)])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert not any(r["fed"] or r["tripped"] for r in rows)  # shut for about 45 steps
+    assert all(r["residual_norm"] == 0 for r in rows)
+    assert json.loads(out.read_text()) == rows

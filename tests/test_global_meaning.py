@@ -653,3 +653,53 @@ def test_more_losses_are_exact(name, kind):
             loss, step=0, num_skip=0, has_aux=aux, min_size=0)(w, x, y))(MW, x, y)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+def test_bfloat16_values_every_rank_computes_whole_on_a_two_axis_mesh():
+    """A bfloat16 aux from the params, and a bfloat16 max over the batch with
+    a NaN row, SkipReduce over one axis of two: jax's values (no XLA:CPU abort
+    compiling a 16-bit all-reduce, NaN kept), and jax's grads."""
+    def loss(w, x):
+        per = jnp.tanh(x @ w).astype(jnp.bfloat16)
+        per = jnp.where(jnp.arange(x.shape[0])[:, None] == 3, jnp.nan, per)
+        clean = jnp.where(jnp.isnan(per), 0, per).astype(jnp.float32)
+        return jnp.mean(clean ** 2), {"w": w.astype(jnp.bfloat16), "max": jnp.max(per)}
+    w = (RNG.normal(size=(D, H)) * 0.3).astype(np.float32)
+    want = jax.jit(jax.value_and_grad(loss, has_aux=True))(w, X)
+    mesh = jax.make_mesh((4, 2), ("replica", "fsdp"))
+    with jax.set_mesh(mesh):
+        x = _placed(mesh, X, P(("replica", "fsdp")))
+        got = jax.jit(sr.value_and_grad(loss, mesh, "replica", step=0, num_skip=0,
+                                        min_size=0, has_aux=True))(w, x)
+    assert got[0][1]["w"].dtype == jnp.bfloat16 and np.isnan(float(got[0][1]["max"]))
+    _assert_close(got, want, "out")
+
+
+def test_a_small_argument_beside_the_batch_is_whole_where_nothing_shows_its_layout():
+    """A raw uint32[2] key on 2 ranks: not a batch of 2 rows (it has not the batch's)."""
+    def loss(w, x, key):
+        noise = jax.random.normal(key, (x.shape[0], H))
+        return jnp.mean((jnp.tanh(x @ w) - noise) ** 2)
+    w, key = PARAMS["w"], jax.random.PRNGKey(2)
+    want = jax.jit(jax.value_and_grad(loss))(w, X, key)
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((2,), ("data",), axis_types=(kind,), devices=jax.devices()[:2])
+        with jax.set_mesh(mesh):
+            got = jax.jit(sr.value_and_grad(loss, mesh, step=0, num_skip=0, min_size=0))(
+                w, _placed(mesh, X, P("data")), key)
+        _assert_close(got, want, kind.name)
+
+
+def test_a_zero_size_param_placed_over_the_data_axis():
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]) ** 2) + jnp.sum(x[:, :0] @ p["extra"])
+    p = {"w": PARAMS["w"], "extra": np.zeros((0, 5), np.float32)}
+    want = jax.jit(jax.value_and_grad(loss))(p, X)
+    mesh = jax.make_mesh((N,), ("data",))
+    with jax.set_mesh(mesh):
+        placed = {"w": _placed(mesh, p["w"], P(None, "data")),
+                  "extra": _placed(mesh, p["extra"], P("data"))}
+        got = jax.jit(sr.value_and_grad(loss, mesh, step=0, num_skip=0, min_size=0))(
+            placed, _placed(mesh, X, P("data")))
+    _assert_close(got, want, "out")
+    assert got[1]["w"].sharding.spec == P(None, "data")
