@@ -649,7 +649,7 @@ def _first(x: Any, axes: tuple[str, ...]) -> Any:
         return lax.pmax(x, axes)
     # Summed in 32 bits at least: exact, and XLA:CPU aborts compiling some
     # 16-bit all-reduces over one axis of two.
-    wide = jnp.promote_types(x.dtype, jnp.float32)
+    wide = x.dtype if jnp.dtype(x.dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
     first = jnp.where(lax.axis_index(axes) == 0, x.astype(wide), jnp.zeros((), wide))
     return lax.psum(first, axes).astype(x.dtype)
 
