@@ -192,10 +192,16 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
           state: Any = None) -> Callable[..., Any]:
     """:func:`value_and_grad`'s function; ``describe(i)`` names argument ``i``."""
     mesh = _resolve_mesh(mesh)
-    again = functools.partial(
-        build, fun, mesh, axis_name, step=step, has_aux=has_aux, batch_argnums=batch_argnums,
-        param_specs=param_specs, microbatches=microbatches, skip_options=skip_options,
-        config=config, check=check, describe=describe, state=state)
+    # This function again with some settings changed: one per call shape
+    # (argument count, keyword names, data axis), built at its first call.
+    settings_given = dict(
+        fun=fun, mesh=mesh, axis_name=axis_name, step=step, has_aux=has_aux,
+        argnums=argnums, batch_argnums=batch_argnums, param_specs=param_specs,
+        microbatches=microbatches, skip_options=skip_options, config=config, check=check,
+        describe=describe, state=state)
+
+    def again(**changes):
+        return build(**{**settings_given, **changes})
     ints = argnums if isinstance(argnums, Sequence) else (argnums,)
     if any(isinstance(i, (int, np.integer)) and i < 0 for i in ints):
         # As jax counts them: from the end, once a call says how many there are.
@@ -225,11 +231,7 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
 
         def make(axis):
             if axis not in built:
-                built[axis] = build(
-                    fun, mesh, axis, step=step, has_aux=has_aux, argnums=argnums,
-                    batch_argnums=batch_argnums, param_specs=param_specs,
-                    microbatches=microbatches, skip_options=skip_options, config=config,
-                    check=check, describe=describe, state=state)
+                built[axis] = again(axis_name=axis)
             return built[axis]
 
         params_at = positions(argnums, "argnums", api=_API)
@@ -267,12 +269,8 @@ def build(fun: Callable[..., Any], mesh: Any, axis_name: AxisNames | None, *,
         if kwargs:  # never differentiated; split or whole by their layouts, as others
             names, n = tuple(sorted(kwargs)), len(args)
             if (names, n) not in by_keywords:
-                by_keywords[names, n] = build(
-                    lambda *a: fun(*a[:n], **dict(zip(names, a[n:], strict=True))), mesh,
-                    axis_name, step=step, has_aux=has_aux, argnums=argnums,
-                    batch_argnums=batch_argnums, param_specs=param_specs,
-                    microbatches=microbatches, skip_options={}, config=config,
-                    check=check, describe=describe, state=state)
+                by_keywords[names, n] = again(
+                    fun=lambda *a: fun(*a[:n], **dict(zip(names, a[n:], strict=True))))
             inner = by_keywords[names, n]
             out = inner(*args, *(kwargs[k] for k in names))
             wrapped.report = inner.report
