@@ -211,6 +211,7 @@ def test_batchnorm_step_equals_the_single_device_step():
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-6)
 
 
+@pytest.mark.slow  # fast-suite time; CI runs it in test-slow
 def test_tiny_end_to_end(tmp_path):
     report = cv.main(["--steps", "5", "--eval-every", "5", "--variants", "bound,random+ef",
                       "--out", str(tmp_path), "--tag", "tiny", "--no-plot"])
@@ -406,6 +407,7 @@ def test_gated_error_feedback_is_random_or_error_feedback_by_its_share():
     np.testing.assert_allclose(state.inner.residual["w"], full_state.residual["w"])
 
 
+@pytest.mark.slow  # fast-suite time; CI runs it in test-slow
 def test_held_out_workloads():
     """digits-mlp: real images, an MLP; lm-wide: a second text task, its own split."""
     digits = cv.make_workload("digits-mlp", 0, steps=3, ranks=8)
@@ -426,6 +428,7 @@ def test_held_out_workloads():
     assert set(cv.HELD_OUT) <= set(cv.WORKLOADS) and all(w in cv.TARGET_RULES for w in cv.HELD_OUT)
 
 
+@pytest.mark.slow  # fast-suite time; CI runs it in test-slow
 def test_gate_trace_records_each_step(tmp_path):
     from benchmarks import gate_trace
     out = tmp_path / "trace.json"

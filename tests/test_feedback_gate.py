@@ -285,8 +285,11 @@ def test_the_gate_reads_sgd_as_linear_and_adaptive_optimizers_as_not(optimizer, 
     assert (float(state[0].nonlinear) < _gate.NONLINEAR) == linear
 
 
-@pytest.mark.parametrize("name", ["4x2-explicit", "4x2-auto", "2x2x2"])
-@pytest.mark.parametrize("feeds", [False, True])
+@pytest.mark.parametrize("name, feeds", [
+    ("4x2-explicit", True),  # the others: test-slow (CI runs them), for the fast suite's time
+    *[pytest.param(n, f, marks=pytest.mark.slow) for n, f in (
+        ("4x2-explicit", False), ("4x2-auto", False), ("4x2-auto", True),
+        ("2x2x2", False), ("2x2x2", True))]])
 def test_auto_on_params_sharded_by_the_compiler(name, feeds):
     # HSDP layouts: skip_reduce over "replica", params sharded over fast axes.
     from test_sharded_training import _loss, _setup

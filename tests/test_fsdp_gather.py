@@ -79,6 +79,7 @@ print(json.dumps(temp))
 """
 
 
+@pytest.mark.slow  # fast-suite time; CI runs it in test-slow
 @under_remat3_per_leaf
 def test_per_leaf_peak_memory_is_below_whole():
     """8 layers of 1 MiB, 1/8 per device: the temporaries fall from ~7 MiB to ~2.
