@@ -201,21 +201,3 @@ def check_float_dtype(value: Any, name: str, *, api: str, none: str,
         raise TypeError(f"{_prefix(api)}{name}={value!r} is not a floating-point "
                         f"dtype. Pass None or e.g. {example}.")
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
-def check_comm_dtype(comm_dtype: Any, *, api: str) -> np.dtype | None:
-    """Checks ``comm_dtype``: None or a floating dtype (e.g. ``jnp.bfloat16``)."""
-    return check_float_dtype(comm_dtype, "comm_dtype", api=api,
-                             none="send the gradients' dtype",
-                             example="jnp.bfloat16 or jnp.float16")
-
-
-def check_comm_width(comm_dtype: np.dtype | None, dtype: Any, *, api: str) -> None:
-    """Refuses a checked ``comm_dtype`` (None passes) wider than a floating leaf's."""
-    if comm_dtype is not None and np.dtype(comm_dtype).itemsize > np.dtype(dtype).itemsize:
-        raise TypeError(
-            f"{_prefix(api)}comm_dtype={np.dtype(comm_dtype).name} is wider than "
-            f"a gradient leaf of dtype {np.dtype(dtype).name}: it would send more "
-            "bytes, not fewer. Pass comm_dtype=None for these gradients, or a "
-            "dtype no wider than theirs (e.g. jnp.bfloat16); to add them in "
-            "float32, pass accumulate_dtype=jnp.float32.")

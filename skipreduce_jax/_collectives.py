@@ -47,6 +47,7 @@ from skipreduce_jax._schedule import (
 )
 from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
+from skipreduce_jax._wire import check_comm_width, nan_unless_finite
 
 Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = {"contributors": "divide by the N - k ranks summed",
@@ -57,66 +58,6 @@ GATHER_CHOICES = {"native": "lax.all_gather", "ring": "N - 1 ppermute steps"}
 # ----------------------------------------------------------------------------
 # Argument checks (trace time).
 # ----------------------------------------------------------------------------
-
-
-def summed_dtype(dtype: Any, accumulate_dtype: np.dtype | None) -> np.dtype:
-    """The dtype values of ``dtype`` are added (and sent) in by the ring.
-
-    For floating leaves, the promotion of ``dtype`` and ``accumulate_dtype``:
-    never narrower than the leaf (float32 leaves with a float16
-    ``accumulate_dtype`` are still summed in float32).
-    """
-    if accumulate_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(jax.dtypes.canonicalize_dtype(
-            jnp.promote_types(dtype, accumulate_dtype)))
-    return np.dtype(dtype)
-
-
-def wire_dtypes(dtype: Any, accumulate_dtype: np.dtype | None,
-                comm_dtype: np.dtype | None
-                ) -> tuple[np.dtype, np.dtype | None, np.dtype]:
-    """How the ring treats a bucket of ``dtype``: ``(added, sent, gathered)``.
-
-    ``added``: the dtype of each hop's addition; ``sent``: what the
-    reduce-scatter sends, None when it sends ``added`` as it is (no
-    rounding per hop); ``gathered``: what the all-gather sends. With a
-    ``comm_dtype`` (floating leaves only) both phases send it and each hop
-    adds in ``accumulate_dtype``, float32 when that is None (never narrower
-    than the leaf). ``comm_stats`` counts bytes with the same answer.
-    """
-    if comm_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        return summed_dtype(dtype, accumulate_dtype), None, np.dtype(dtype)
-    added = summed_dtype(dtype, np.dtype(jnp.float32) if accumulate_dtype is None
-                         else accumulate_dtype)
-    return added, np.dtype(comm_dtype), np.dtype(comm_dtype)
-
-
-def can_overflow(wire: np.dtype | None) -> bool:
-    """Whether sums sent as ``wire`` can overflow where float32's would not.
-
-    True for float16 (largest value 65504); bfloat16 has float32's range.
-    """
-    return wire is not None and jnp.finfo(wire).maxexp < jnp.finfo(jnp.float32).maxexp
-
-
-def nan_unless_finite(values: list[jax.Array], checked: list[bool],
-                      axes: tuple[str, ...] = ()) -> list[jax.Array]:
-    """The ``checked`` values, all NaN if any of them holds an Inf or NaN.
-
-    The float16 wire's overflow rule: a sum beyond float16's range crosses as
-    Inf, and this turns the whole result to NaN rather than leave Inf in
-    some elements. ``axes``: where the checked values differ per rank (a
-    reduce-scatter's blocks), the ranks decide together (one ``pmin`` of a
-    flag); gathered sums are identical on every rank and need none.
-    """
-    picked = [v for v, c in zip(values, checked) if c]
-    if not picked:
-        return values
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in picked]))
-    if axes:
-        finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
-    return [jnp.where(finite, v, jnp.nan).astype(v.dtype) if c else v
-            for v, c in zip(values, checked)]
 
 
 def as_typed_key(key: Any, *, api: str) -> jax.Array:
@@ -156,7 +97,7 @@ def _check_comm_width(ring: RingSettings, leaves: list[jax.Array]):
     """Refuses a ``comm_dtype`` wider than a floating leaf."""
     for leaf in leaves:
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            checks.check_comm_width(ring.comm_dtype, leaf.dtype, api=ring.api)
+            check_comm_width(ring.comm_dtype, leaf.dtype, api=ring.api)
 
 
 def _check_floating(leaves, api: str):
@@ -231,35 +172,28 @@ def _reduce(
         # Values typed replicated are summed N times, exactly as psum does.
         leaves = [cast_varying(leaf, ring.axes) for leaf in leaves]
     axis_name, inner_axis = ring.axis_name, ring.inner_axis
+    gather_ring = functools.partial(_ring.gather, axis_name=axis_name, method=gather,
+                                    in_place=in_place)
 
     outputs, left_out, checked = [], [], []
     for bucket, schedule in zip(plan.buckets, schedules):
         buffer = plan.pack(leaves, bucket)
         if with_left_out:
             left_out.append(_left_out(buffer, schedule, axis_name, ring.inner))
-        acc_dtype, sent, gathered = wire_dtypes(bucket.dtype, ring.accumulate_dtype,
-                                                ring.comm_dtype)
+        wire = ring.wire.of(bucket.dtype)
+        acc_dtype = wire.added(bucket.dtype, ring.accumulate_dtype)
         if inner_axis is not None:
             buffer = _scatter_inner(buffer.astype(acc_dtype), inner_axis, ring.inner)
         shard = _ring.reduce_scatter(buffer, schedule, axis_name,
-                                     accumulate_dtype=acc_dtype, comm_dtype=sent)
+                                     accumulate_dtype=acc_dtype, wire=wire)
         # Scale and cast the 1/N shard, not the whole buffer.
         if scale is not None:
             shard = shard * jnp.asarray(scale, acc_dtype)
-        if sent is not None:  # every rank gets the one rounding of each sum
-            out = _ring.gather(shard.astype(gathered), schedule, axis_name,
-                               method=gather, packed=True,
-                               in_place=in_place).astype(bucket.dtype)
-        elif shard.dtype != bucket.dtype:
-            out = _gather_narrow(axis_name, gather, bucket.dtype, in_place,
-                                 shard, schedule)
-        else:
-            out = _ring.gather(shard, schedule, axis_name, method=gather,
-                               in_place=in_place)
+        out = wire.gather(gather_ring, shard, schedule, bucket.dtype)
         if inner_axis is not None:
             out = all_gather_replicated(out, inner_axis, tiled=True)
         outputs.append(out)
-        checked.append(can_overflow(sent))
+        checked.append(wire.finite_check())
     outputs = nan_unless_finite(outputs, checked)
     # Zero-size leaves are not packed. Their results get the types the
     # others get (the sum replicated over the reduced axes, what was left
@@ -371,33 +305,6 @@ def _sharded(tree: Any, ring: RingSettings, specs: Any, key: Any, phase: Any,
     if num_outputs == 1:
         return treedef.unflatten(out)
     return tuple(treedef.unflatten(o) for o in out)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _gather_narrow(axis_name: str, method: _ring.Gather, dtype: np.dtype,
-                   in_place: bool, shard: jax.Array, schedule: SkipSchedule
-                   ) -> jax.Array:
-    """Gathers ``shard`` (summed in a wider dtype) as ``dtype``.
-
-    It gathers the narrow dtype's bits: XLA would otherwise move the cast
-    after the all-gather and send the wide type. Bits have no derivative, so
-    the tangent is gathered as ``dtype`` values (same map, transposable).
-    """
-    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
-    shard = lax.bitcast_convert_type(shard.astype(dtype), bits)
-    out = _ring.gather(shard, schedule, axis_name, method=method,
-                       in_place=in_place)
-    return lax.bitcast_convert_type(out, dtype)
-
-
-@_gather_narrow.defjvp
-def _gather_narrow_jvp(axis_name, method, dtype, in_place, primals, tangents):
-    shard, schedule = primals
-    # The gather form of the reorder: a loop cannot be transposed.
-    tangent = _ring.gather(tangents[0].astype(dtype), schedule, axis_name,
-                           method=method, in_place=False)
-    return (_gather_narrow(axis_name, method, dtype, in_place, shard, schedule),
-            tangent)
 
 
 def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
@@ -756,7 +663,8 @@ def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
         leaves = [cast_varying(leaf, ring.axes) for leaf in leaves]
     rows, checked = [], []
     for bucket, (dtype, _) in enumerate(plan.buckets):
-        acc_dtype, sent, _ = wire_dtypes(dtype, ring.accumulate_dtype, ring.comm_dtype)
+        wire = ring.wire.of(dtype)
+        acc_dtype = wire.added(dtype, ring.accumulate_dtype)
         if ring.inner_axis is None:
             buffer = plan.pack(leaves, bucket)  # [N, M]
         else:
@@ -765,11 +673,11 @@ def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
                 for c in plan.columns(leaves, bucket)])
         row = _ring.reduce_scatter_to_owners(
             buffer, schedules[bucket], ring.axis_name, accumulate_dtype=acc_dtype,
-            comm_dtype=sent, own_weight=own_weight)
+            wire=wire, own_weight=own_weight)
         if scale is not None:
             row = row * jnp.asarray(scale, acc_dtype)
         rows.append(row.astype(dtype))
-        checked.append(can_overflow(sent))
+        checked.append(wire.finite_check())
     rows = nan_unless_finite(rows, checked, ring.axes)
     def zeros(i):  # a zero-size leaf's block, typed like the others
         block = jnp.zeros(plan.block_shape(i), plan.dtypes[i])

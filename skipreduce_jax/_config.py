@@ -21,6 +21,7 @@ from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
 from skipreduce_jax._selection import check_selective
 from skipreduce_jax._traffic import skip_ratio_to_num_skip
 from skipreduce_jax._types import DTypeLike, PyTree
+from skipreduce_jax._wire import Wire, check_comm_dtype, make_wire
 
 _API = "skip_reduce"
 
@@ -117,6 +118,11 @@ class SkipConfig:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
 
+    @property
+    def wire(self) -> Wire:
+        """How ``comm_dtype`` crosses each hop (see ``_wire.py``)."""
+        return make_wire(self.comm_dtype)
+
 
 SKIP_OPTIONS = tuple(f.name for f in dataclasses.fields(SkipConfig))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig)}
@@ -206,7 +212,7 @@ def check_ring(values: dict[str, Any], *, api: str) -> dict[str, Any]:
         accumulate_dtype=checks.check_float_dtype(
             values["accumulate_dtype"], "accumulate_dtype", api=api,
             none="add in the gradients' dtype", example="jnp.float32"),
-        comm_dtype=checks.check_comm_dtype(values["comm_dtype"], api=api),
+        comm_dtype=check_comm_dtype(values["comm_dtype"], api=api),
         layout=checks.check_choice(values["layout"], "layout", LAYOUTS, api=api))
 
 
@@ -288,6 +294,11 @@ class RingSettings:
     accumulate_dtype: np.dtype | None
     comm_dtype: np.dtype | None
     layout: str
+
+    @property
+    def wire(self) -> Wire:
+        """How ``comm_dtype`` crosses each hop (see ``_wire.py``)."""
+        return make_wire(self.comm_dtype)
 
     @property
     def axes(self) -> tuple[str, ...]:

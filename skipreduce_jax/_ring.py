@@ -18,6 +18,7 @@ from jax import lax
 
 from skipreduce_jax._schedule import ScatterSchedule, SkipSchedule, make_schedule
 from skipreduce_jax._vma import all_gather_replicated
+from skipreduce_jax._wire import Wire, send_narrow
 
 Gather = Literal["native", "ring"]
 
@@ -26,46 +27,6 @@ MAX_UNROLLED_STEPS = 16  # longer rings run in a fori_loop: flat compile time
 
 def _shift_right(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
-
-
-def _packed(move, x: jax.Array) -> jax.Array:
-    """``move(x)`` with the narrow floats of ``x`` crossing as uint32 words.
-
-    XLA:CPU rewrites 16-bit float collectives to float32 (twice the bytes)
-    but leaves integer ones alone, so 2 (or 4) values share each word; an odd
-    piece carries one zero of padding. ``move`` may add leading axes (an
-    all-gather); the words are always the last one.
-    """
-    per_word = 4 // x.dtype.itemsize
-    flat = x.reshape(-1)
-    pad = -flat.size % per_word
-    if pad:
-        flat = jnp.concatenate([flat, jnp.zeros_like(flat, shape=(pad,))])
-    words = lax.bitcast_convert_type(flat.reshape(-1, per_word), jnp.uint32)
-    moved = move(words)
-    lead = moved.shape[:-1]
-    return lax.bitcast_convert_type(moved, x.dtype).reshape(lead + (-1,))[
-        ..., :x.size].reshape(lead + x.shape)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def send_narrow(move, x: jax.Array) -> jax.Array:
-    """``move(x)`` (a linear collective) for a ``comm_dtype`` value ``x``.
-
-    On CPU a value narrower than 32 bits crosses packed in uint32 words (see
-    :func:`_packed`); GPU and TPU send it as it is. The choice is made when
-    the program is lowered for its platform. The tangent crosses unpacked
-    (bits have no derivative), so the map stays transposable.
-    """
-    if x.dtype.itemsize >= 4:
-        return move(x)
-    return lax.platform_dependent(x, cpu=functools.partial(_packed, move),
-                                  default=move)
-
-
-@send_narrow.defjvp
-def _send_narrow_jvp(move, primals, tangents):
-    return send_narrow(move, primals[0]), move(tangents[0])
 
 
 def _loop(num_steps: int, body, init):
@@ -84,15 +45,15 @@ def reduce_scatter(
     axis_name: str,
     *,
     accumulate_dtype: jnp.dtype,
-    comm_dtype: jnp.dtype | None = None,
+    wire: Wire,
 ) -> jax.Array:
     """Runs the skipped reduce-scatter of ``schedule`` over ``axis_name``.
 
     ``buffer``: this rank's flat buffer of ``N * C * m`` elements, added in
-    ``accumulate_dtype`` (and sent in it, unless ``comm_dtype`` is given:
-    each step then rounds the accumulator to that once, and the receiver
-    adds its own piece in ``accumulate_dtype``). Returns ``[C, m]``: ring
-    chunk ``rank``, summed over ``N - k`` ranks.
+    ``accumulate_dtype``; each hop's ``[C, m]`` accumulator crosses as
+    ``wire`` encodes it, and the receiver adds its own piece to what
+    arrives. Returns ``[C, m]``: ring chunk ``rank``, summed over ``N - k``
+    ranks.
     """
     n, chunks = schedule.axis_size, schedule.chunks_per_rank
     pieces = buffer.reshape(n, chunks, -1)
@@ -109,12 +70,10 @@ def reduce_scatter(
             piece = lax.dynamic_index_in_dim(pieces, chunk, 0, keepdims=False)
         return piece.astype(accumulate_dtype)
 
+    shift = functools.partial(_shift_right, axis_name=axis_name, n=n)
+
     def body(step, acc):
-        if comm_dtype is None:
-            return _shift_right(acc, axis_name, n) + own_piece(step)
-        shift = functools.partial(_shift_right, axis_name=axis_name, n=n)
-        received = send_narrow(shift, acc.astype(comm_dtype))
-        return received.astype(accumulate_dtype) + own_piece(step)
+        return wire.hop(shift, acc) + own_piece(step)
 
     return _loop(last, body, own_piece(0))
 
@@ -125,7 +84,7 @@ def reduce_scatter_to_owners(
     axis_name: str,
     *,
     accumulate_dtype: jnp.dtype,
-    comm_dtype: jnp.dtype | None = None,
+    wire: Wire,
     own_weight: float = 1.0,
 ) -> jax.Array:
     """A skipped reduce-scatter that leaves each rank its own block.
@@ -149,7 +108,7 @@ def reduce_scatter_to_owners(
         ring = make_schedule(n, num_skip=schedule.num_skip, randomize=False)
         return reduce_scatter(buffer.reshape(-1), ring, axis_name,
                               accumulate_dtype=accumulate_dtype,
-                              comm_dtype=comm_dtype).reshape(-1)
+                              wire=wire).reshape(-1)
     rank = lax.axis_index(axis_name)
     pieces = buffer.astype(accumulate_dtype)
 
@@ -157,10 +116,7 @@ def reduce_scatter_to_owners(
         def move(piece):
             return lax.ppermute(piece, axis_name,
                                 perm=[(i, (i + shift) % n) for i in range(n)])
-        if comm_dtype is None:
-            return move
-        return lambda piece: send_narrow(move, piece.astype(comm_dtype)).astype(
-            accumulate_dtype)
+        return functools.partial(wire.hop, move)
 
     branches = [send(shift) for shift in range(1, n)]
 
@@ -191,7 +147,7 @@ def gather(
     left it. ``method``: ``"native"``, ``lax.all_gather`` (typed replicated
     under ``check_vma=True``, as ``psum``'s result is); ``"ring"``, N - 1
     ppermute steps (the same values on every rank, typed varying).
-    ``packed``: send ``shard`` (a ``comm_dtype`` value) with
+    ``packed``: send ``shard`` (narrower than 32 bits) with
     :func:`send_narrow`. ``in_place``: see :func:`put_in_slot_order`.
     Returns the flat reduced buffer of ``N * C * m`` elements, in slot order.
     """

@@ -16,11 +16,11 @@ import numpy as np
 from skipreduce_jax import _checks as checks
 from skipreduce_jax import _traffic as traffic
 from skipreduce_jax._buckets import plan_buckets
-from skipreduce_jax._collectives import summed_dtype, wire_dtypes
 from skipreduce_jax._config import SkipConfig, skip_config
 from skipreduce_jax._selection import needs_params
 from skipreduce_jax._transform import _Config
 from skipreduce_jax._types import PyTree
+from skipreduce_jax._wire import check_comm_width, summed_dtype
 
 
 class CommStats(NamedTuple):
@@ -105,15 +105,19 @@ def comm_stats(grads: PyTree, axis_size: int, *, params: PyTree = None,
     picked = [x for x, s in zip(leaves, skippable) if s]
     plan = plan_buckets(picked, group_size=n, slot_divisor=inner, bucket_bytes=config.bucket_bytes)
     for x in picked:
-        checks.check_comm_width(config.comm_dtype, x.dtype, api=api)
+        check_comm_width(config.comm_dtype, x.dtype, api=api)
 
     def ring_bytes(b):
-        # The reduce-scatter sends the summed dtype, the gather the leaves' (or comm_dtype).
-        added, sent, gathered = wire_dtypes(b.dtype, config.accumulate_dtype, config.comm_dtype)
-        scattered = traffic.reduce_scatter_bytes(b.padded_size * (sent or added).itemsize, n, k)
-        return scattered + traffic.all_gather_bytes(b.padded_size * gathered.itemsize, n)
+        # Each hop sends one [C, m] piece of the 1/inner shard, as the wire encodes it.
+        wire, rows = config.wire.of(b.dtype), b.chunks_per_rank
+        columns = b.padded_size // (n * rows * inner)
+        def buffer_bytes(phase):
+            return n * wire.piece_bytes(rows, columns, b.dtype, config.accumulate_dtype,
+                                        phase=phase)
+        return (traffic.reduce_scatter_bytes(buffer_bytes("scatter"), n, k)
+                + traffic.all_gather_bytes(buffer_bytes("gather"), n))
 
-    skip_sent = sum(ring_bytes(b) for b in plan.buckets) / inner
+    skip_sent = sum(ring_bytes(b) for b in plan.buckets)
     rest_bytes = sum(s * summed_dtype(x.dtype, config.accumulate_dtype).itemsize
                      for s, x, ok in zip(sizes, leaves, skippable) if not ok) / inner
     if config.radial(like):  # two float32 per output channel, all-reduced

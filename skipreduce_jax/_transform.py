@@ -53,6 +53,7 @@ from skipreduce_jax._schedule import (
 from skipreduce_jax._selection import skippable
 from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import pmean_nonempty
+from skipreduce_jax._wire import summed_dtype
 
 _API = "skip_reduce"
 
@@ -523,7 +524,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState, params: Any,
         # One flag for all ranks: True when every rank's gradient is finite
         # (and, on a float16 wire, every rank's update: no sum overflowed).
         finite = _all_finite(leaves)
-        if coll.can_overflow(config.comm_dtype):
+        if config.wire.finite_check():
             finite = finite & _all_finite(out)
         finite = lax.pmin(finite.astype(jnp.int32), axes) > 0
         out = [jnp.where(finite, o, jnp.nan).astype(o.dtype) for o in out]
@@ -655,7 +656,7 @@ def _full_mean(leaves: list[jax.Array], scattered: list[bool],
     Summed in ``accumulate_dtype`` as the ring does.
     """
     axes = _axes(config)
-    wide = [g.astype(coll.summed_dtype(g.dtype, config.accumulate_dtype))
+    wide = [g.astype(summed_dtype(g.dtype, config.accumulate_dtype))
             for g in leaves]
     ar = pmean_nonempty([w for w, c in zip(wide, scattered) if not c], axes)
     n = math.prod(checks.axis_size(a, api=_API) for a in axes) if any(scattered) else 1

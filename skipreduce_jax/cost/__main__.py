@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from skipreduce_jax import _checks as checks
 from skipreduce_jax._traffic import (
     hierarchical_bytes,
     ring_allreduce_bytes,
@@ -33,6 +32,7 @@ from skipreduce_jax._traffic import (
     skipreduce_steps,
     traffic_fraction,
 )
+from skipreduce_jax._wire import check_comm_dtype, make_wire
 
 from ._fit import KINDS, Measurement, Validation, fit_link_model, load_measurements, validate
 from ._model import (
@@ -213,7 +213,7 @@ _DTYPE_ALIASES = {"fp64": "float64", "f64": "float64", "fp32": "float32", "f32":
 def parse_comm_dtype(text: str) -> str:
     """``--comm-dtype``: a dtype name, if the library's own check takes it as ``comm_dtype``."""
     try:
-        dtype = checks.check_comm_dtype(_DTYPE_ALIASES.get(text, text), api="skip_reduce")
+        dtype = check_comm_dtype(_DTYPE_ALIASES.get(text, text), api="skip_reduce")
     except TypeError as e:
         raise ValueError(f"{text!r}: the library refuses it ({e}) Give a "
                          "floating dtype, e.g. bfloat16 or float16, or leave "
@@ -412,8 +412,10 @@ def _nbytes_from_args(args: argparse.Namespace) -> int:
     if args.inner not in (None, 1):
         raise ValueError("--comm-dtype narrows the outer ring only; with --inner "
                          "run the outer axis alone (--n hosts, --size / L)")
-    # The same elements, each sent at the wire's width (skip_psum's comm_dtype).
-    return nbytes * DTYPE_BYTES[comm] // DTYPE_BYTES[args.dtype]
+    # The same elements, as the wire sends them (skip_psum's comm_dtype).
+    elements = nbytes // DTYPE_BYTES[args.dtype]
+    return make_wire(np.dtype(comm)).piece_bytes(1, elements, _DTYPE_ALIASES.get(
+        args.dtype, args.dtype), None, phase="gather")
 
 
 def _problem_from_args(
