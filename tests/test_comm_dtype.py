@@ -354,3 +354,91 @@ def test_skip_reduce_on_an_overflowing_float16_wire():
     out, _, bad = per_rank(lambda g, p: f(g, p, BF16, True), x, n=8,
                            replicated_args=(params,))
     assert np.isfinite(out["w"]).all() and (bad == 0).all()
+
+
+F8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+# Each hop rounds a block to float8 once, relative to the block's largest
+# magnitude: 2**-4 (e4m3fn) or 2**-3 (e5m2) at most, half that on average.
+F8_EPS = {jnp.float8_e4m3fn: 2.0**-4, jnp.float8_e5m2: 2.0**-3}
+
+
+@pytest.mark.parametrize("comm", F8)
+@pytest.mark.parametrize("gather", ["native", "ring"])
+def test_float8_wire_scales_blocks_so_small_gradients_survive(comm, gather):
+    # Gradients of 1e-4 are below float8_e4m3fn's smallest value (2**-9):
+    # cast unscaled, they would all cross as zero.
+    n, k = 8, 3
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(n, 5000)) * 1e-4).astype(np.float32)
+
+    def f(v):
+        kw = dict(key=jax.random.key(1), num_skip=k)
+        return (sr.skip_psum(v, "i", comm_dtype=comm, gather=gather, **kw),
+                sr.contribution_mask(v, "i", **kw))
+
+    out, mask = per_rank(f, x, n=n)
+    np.testing.assert_array_equal(out, out[:1].repeat(n, 0))
+    exact = np.where(mask, x, 0).sum(0)
+    err = np.abs(out[0] - exact)
+    rel = np.linalg.norm(err) / np.linalg.norm(exact)
+    assert rel < F8_EPS[comm], rel
+    # Each element within the rounding of its N - k hops and the gather,
+    # against the largest partial sum of its block.
+    bound = (n - k + 1) * F8_EPS[comm] * np.abs(x).sum(0).max()
+    assert err.max() < bound
+
+
+@pytest.mark.parametrize("comm", F8)
+def test_float8_wire_bytes_a_quarter_plus_scales_in_comm_stats_and_compiled(comm):
+    n, k = 8, 4
+    shape = (n, 128, 96)
+    tx = sr.skip_reduce("i", num_skip=k, seed=0, min_size=0, comm_dtype=comm)
+    mesh = line_mesh(n)
+
+    def f(g):
+        out, _ = tx.update(g[0], tx.init(g[0]))
+        return out[None]
+
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("i")))
+    text = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+                   ).lower(spec).compile().as_text()
+    like = jax.ShapeDtypeStruct(shape[1:], jnp.float32)
+    stats = sr.comm_stats(like, n, num_skip=k, min_size=0, comm_dtype=comm)
+    assert sr.collective_traffic(text).bytes_per_device() == stats.bytes_per_device
+    wide = sr.comm_stats(like, n, num_skip=k, min_size=0)
+    # One byte per element, and a 4-byte scale per block of 256.
+    assert stats.bytes_per_device == pytest.approx(
+        wide.bytes_per_device / 4 * (256 + 4) / 256)
+
+
+@pytest.mark.parametrize("comm", F8)
+def test_float8_wire_derivatives_are_those_of_the_kept_sum(comm):
+    n, k = 4, 2
+    rng = np.random.default_rng(7)
+    x, w = (rng.normal(size=(n, 3000)).astype(np.float32) for _ in range(2))
+
+    def f(args):
+        v, w = args
+        kw = dict(key=jax.random.key(11), num_skip=k)
+
+        def skip(v):
+            return sr.skip_psum(v, "i", comm_dtype=comm, **kw)
+
+        return (jax.grad(lambda v: jnp.sum(w * skip(v)))(v),
+                sr.contribution_mask(v, "i", **kw), lax.psum(w, "i"))
+
+    grad, mask, w_sum = per_rank(f, (x, w), n=n)
+    # The tangent crosses unrounded: the derivative of the exact kept sum.
+    np.testing.assert_allclose(grad, np.where(mask, w_sum, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_float8_wire_reduce_scatter_and_hierarchical():
+    n, k = 8, 2
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 64 * n)).astype(np.float32)
+    scatter = per_rank(lambda v: sr.skip_psum_scatter(
+        v, "i", key=jax.random.key(0), num_skip=k, comm_dtype=jnp.float8_e4m3fn), x, n=n)
+    wide = per_rank(lambda v: sr.skip_psum_scatter(
+        v, "i", key=jax.random.key(0), num_skip=k), x, n=n)
+    rel = np.linalg.norm(scatter - wide) / np.linalg.norm(wide)
+    assert 0 < rel < 2.0**-4, rel
