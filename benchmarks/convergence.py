@@ -46,7 +46,8 @@ where the params hold a BatchNorm), ``random-noradial`` (``exact_radial=False``)
 recipe without its compression) and ``all-reduce-fvW`` (the all-reduce with
 the second moment frozen after W steps: the control for ``-fv``),
 ``random-bf16`` (Random with ``comm_dtype=jnp.bfloat16``: 16-bit on the
-wire, float32 in each hop) and ``psum-bf16`` (the baseline a JAX user
+wire, float32 in each hop), ``random-f8`` (``comm_dtype=jnp.float8_e4m3fn``:
+blocks of 256 scaled to float8) and ``psum-bf16`` (the baseline a JAX user
 writes: ``lax.pmean`` of the gradients cast to bfloat16, cast back). Every
 skipped variant uses ``min_size=0``: every leaf may be skipped.
 
@@ -126,7 +127,7 @@ HELD_OUT = ("digits-mlp", "lm-wide", "mlp-deep")
 OPTIMIZERS = ("sgd", "adamw")
 VARIANTS = ("all-reduce", "bound", "random", "random-iid", "random-c1", "random-c4", "static",
             "random+ef", "random-sel", "random-radial", "random-noradial",
-            "random-bf16", "psum-bf16", "random+efauto")
+            "random-bf16", "psum-bf16", "random+efauto", "random-f8")
 DEFAULT_VARIANTS = VARIANTS[:VARIANTS.index("random-sel")]
 LABELS = {
     "all-reduce": "all-reduce",
@@ -140,6 +141,7 @@ LABELS = {
     "random-radial": "Random, exact radial components",
     "random-noradial": "Random, exact_radial=False",
     "random-bf16": "Random, comm_dtype=bfloat16",
+    "random-f8": "Random, comm_dtype=float8_e4m3fn",
     "psum-bf16": "lax.pmean of bfloat16 gradients",
 }
 # random[-units][-cK][-iid]: layout="units", chunks_per_rank=K, balanced=False.
@@ -649,6 +651,8 @@ def reduce_kwargs(variant: str, skip_ratio: float, seed: int,
         kwargs["randomize"] = False
     elif variant == "random-bf16":
         kwargs["comm_dtype"] = jnp.bfloat16
+    elif variant == "random-f8":
+        kwargs["comm_dtype"] = jnp.float8_e4m3fn
     elif variant == "random+efauto":
         kwargs["error_feedback"] = "auto"
     elif (variant == "random+ef" or _PARTIAL_EF.match(variant)

@@ -6,11 +6,9 @@ Skipped leaves that feed a BatchNorm random-walk (``benchmarks/convergence.md``)
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,23 +16,8 @@ import jax
 # flax.linen's module names (BatchNorm_0, ...); NNX layers are known by type.
 _BATCHNORM = re.compile(r"BatchNorm")
 
-# The paths of the nnx.BatchNorm layers set by nnx.init_optimizer (None: match names).
-_MODULE_PATHS: contextvars.ContextVar[tuple[tuple[Any, ...], ...] | None] = \
-    contextvars.ContextVar("skipreduce_batchnorm_paths", default=None)
-
-
 class BatchNormWarning(UserWarning):
     """Skipping may reach leaves that feed a BatchNorm (see ``skip_reduce``)."""
-
-
-@contextlib.contextmanager
-def batchnorm_modules(paths: Sequence[tuple[Any, ...]]) -> Iterator[None]:
-    """Within the block, the BatchNorm layers are those at ``paths``, e.g. ``[("bn",)]``."""
-    token = _MODULE_PATHS.set(tuple(tuple(p) for p in paths))
-    try:
-        yield
-    finally:
-        _MODULE_PATHS.reset(token)
 
 
 def _keys(path: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -48,22 +31,26 @@ def _keys(path: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def in_batchnorm(tree: Any) -> list[bool]:
-    """Per leaf of ``tree``: is it a parameter of a BatchNorm layer?"""
-    known = _MODULE_PATHS.get()
+def in_batchnorm(tree: Any, known: Sequence[tuple[Any, ...]] | None = None) -> list[bool]:
+    """Per leaf of ``tree``: is it a parameter of a BatchNorm layer?
+
+    ``known``: the layers' paths, e.g. ``[("bn",)]`` (NNX's, found by type);
+    None: linen's names.
+    """
     flags = []
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if known is None:
             flags.append(bool(_BATCHNORM.search(jax.tree_util.keystr(path))))
         else:
             keys = _keys(path)
-            flags.append(any(keys[:len(p)] == p for p in known))
+            flags.append(any(keys[:len(p)] == tuple(p) for p in known))
     return flags
 
 
-def warn_if_batchnorm(tree: Any, skippable: Sequence[bool], *, api: str) -> bool:
+def warn_if_batchnorm(tree: Any, skippable: Sequence[bool], *, api: str,
+                      known: Sequence[tuple[Any, ...]] | None = None) -> bool:
     """Warns, returning True, if ``tree`` has BatchNorm leaves and a ``skippable`` other."""
-    norm = in_batchnorm(tree)
+    norm = in_batchnorm(tree, known)
     if not any(norm):
         return False
     paths = [jax.tree_util.keystr(p)

@@ -93,6 +93,9 @@ class _Config(SkipConfig):
 
     axis_name: str = "data"
     inner_axis: str | None = None
+    # The BatchNorm layers' paths where the caller knows them by type (the
+    # NNX helpers pass them to update() as batchnorm_paths=); None: by name.
+    batchnorms: tuple[tuple[Any, ...], ...] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,7 +112,7 @@ class _Config(SkipConfig):
     def fingerprint(self) -> int:
         """A checksum of the settings that every rank must share."""
         fields = dataclasses.asdict(self)
-        for name in ("seed", "selective", "verify_sync"):
+        for name in ("seed", "selective", "verify_sync", "batchnorms"):
             fields.pop(name)
         fields["accumulate_dtype"] = str(fields["accumulate_dtype"])
         if fields["comm_dtype"] is None:  # so states saved before it existed match
@@ -137,7 +140,7 @@ class _Config(SkipConfig):
         if self.exact_radial is not None:
             return self.exact_radial
         return (params is not None and self.error_feedback is not True
-                and not self.params_sharded and any(in_batchnorm(params)))
+                and not self.params_sharded and any(in_batchnorm(params, self.batchnorms)))
 
     def skippable(self, updates: Any, params: Any) -> list[bool]:
         """One Python bool per leaf: True when the leaf may be skipped."""
@@ -185,7 +188,9 @@ def skip_reduce(
     BatchNorm: a skipped leaf that feeds a BatchNorm with statistics over the
     data axis drifts; ``exact_radial`` (on by default there) prevents it, and
     ``init`` warns (:class:`BatchNormWarning`) where nothing does
-    (:ref:`skip-reduce-batchnorm`).
+    (:ref:`skip-reduce-batchnorm`). BatchNorm layers are known by their
+    linen names (``BatchNorm_0``), or by the paths ``update`` is given as
+    ``batchnorm_paths=`` (the NNX helpers pass those of ``nnx.BatchNorm``).
 
     Args:
       axis_name: the data-parallel mesh axis (the slow one with
@@ -225,7 +230,9 @@ def skip_reduce(
       verify_sync: debugging only: compare the step, key and settings across
         ranks every step and raise if they differ.
       comm_dtype: what the skipped ring sends, e.g. ``jnp.bfloat16`` (half
-        the bytes of float32 gradients).
+        the bytes of float32 gradients) or ``jnp.float8_e4m3fn`` (a quarter,
+        in blocks of 256 scaled by their largest magnitude, plus a float32
+        scale per block). Each hop adds in float32.
       layout: ``"flat"`` (the default) or ``"units"``: how the skipped leaves
         are packed for the ring.
 
@@ -265,9 +272,10 @@ def skip_reduce(
         return _initial_state(config, params, warned, residual=(
             _residual_rows(config, params) if config.error_feedback else optax.EmptyState()))
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *, batchnorm_paths=None, **extra_args):
         del extra_args
-        return _update(config, updates, state, params)
+        known = _knowing(config, params, batchnorm_paths, warned)
+        return _update(known, updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -287,9 +295,10 @@ def _gated(config: _Config) -> optax.GradientTransformationExtraArgs:
         return _gate.init(_initial_state(config, params, warned,
                                          residual=_residual_rows(feed, params)), params)
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *, batchnorm_paths=None, **extra_args):
         del extra_args
-        return gated_update(config, updates, state, params)
+        known = _knowing(config, params, batchnorm_paths, warned)
+        return gated_update(known, updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -335,6 +344,22 @@ def _initial_state(config: _Config, params: Any, warned: list[bool], residual: A
                            residual=residual)
 
 
+def _knowing(config: _Config, params: Any, batchnorm_paths: Any, warned: list[bool]
+             ) -> _Config:
+    """``config`` told the BatchNorm layers' paths (``update``'s ``batchnorm_paths``).
+
+    The NNX helpers pass them (found by type); ``init`` had only names to go
+    by, so the BatchNorm warning, once per transformation, may come here.
+    """
+    if batchnorm_paths is None:
+        return config
+    config = dataclasses.replace(config, batchnorms=tuple(tuple(p) for p in batchnorm_paths))
+    if (config.error_feedback is not True and not warned and params is not None
+            and not config.radial(params) and _warn_if_batchnorm(config, params)):
+        warned.append(True)
+    return config
+
+
 def _needs_params(params: Any) -> None:
     if params is None:
         raise ValueError(
@@ -366,13 +391,14 @@ def _warn_if_batchnorm(config: _Config, params: Any) -> bool:
     except (NameError, ValueError, TypeError):  # init outside shard_map
         skipping = bool(config.num_skip) or bool(config.skip_ratio)
     # An explicit selective is the user's choice of what skips.
-    if not skipping or config.selective is not None or not any(in_batchnorm(params)):
+    if (not skipping or config.selective is not None
+            or not any(in_batchnorm(params, config.batchnorms))):
         return False
     try:
         flags = config.skippable(params, params)
     except (ValueError, TypeError):  # e.g. masked params: update() will check
         return False
-    return warn_if_batchnorm(params, flags, api=_API)
+    return warn_if_batchnorm(params, flags, api=_API, known=config.batchnorms)
 
 
 class NothingSkippedWarning(UserWarning):
@@ -439,7 +465,7 @@ def _update(config: _Config, updates: Any, state: SkipReduceState, params: Any,
             "full all-reduce. For a small model pass e.g. min_size=0.",
             NothingSkippedWarning, stacklevel=2)
     if (config.exact_radial is None and params is None and num_skip > 0
-            and not config.error_feedback and any(in_batchnorm(updates))):
+            and not config.error_feedback and any(in_batchnorm(updates, config.batchnorms))):
         warnings.warn(
             f"{_API}: the gradients hold BatchNorm parameters but update() got "
             "params=None, so exact_radial (the remedy for the leaves that feed "

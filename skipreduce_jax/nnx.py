@@ -32,6 +32,7 @@ the step) under ``jax.set_mesh(mesh)``. Or keep flax's own ``nnx.jit`` step and 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -44,7 +45,6 @@ from flax.nnx.training.optimizer import to_opt_state
 from skipreduce_jax import _checks as checks
 from skipreduce_jax._config import SkipConfig, SkipOptions
 from skipreduce_jax._grad import build
-from skipreduce_jax._norms import batchnorm_modules
 from skipreduce_jax._parallel import AxisNames, as_tuple, build_step, positions, rank_key
 from skipreduce_jax._shards import spec_axes
 from skipreduce_jax._training import init_opt_state, per_rank_value_and_grad, to_varying
@@ -290,8 +290,7 @@ def init_optimizer(
     # skip_reduce's BatchNorm warning, from the layers' types, not their names.
     norms = [path for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.BatchNorm) and node.axis_name is not None]
-    with batchnorm_modules(norms):
-        state = init_opt_state(tx, params, mesh, axis_name)
+    state = init_opt_state(tx, params, mesh, axis_name)
     optimizer.tx = _knowing_batchnorms(tx, norms)
     # init_opt_state placed every leaf; flax's eager sharding would place the
     # new Variables again by the params' annotations, which need a mesh
@@ -304,10 +303,17 @@ def init_optimizer(
 
 def _knowing_batchnorms(tx: optax.GradientTransformation,
                         norms: list[tuple[Any, ...]]) -> optax.GradientTransformation:
-    """``tx`` whose update knows the model's BatchNorm layers by type."""
+    """``tx`` whose update tells ``skip_reduce`` the model's BatchNorm layers.
+
+    Their paths go as the extra argument ``batchnorm_paths``, which
+    ``optax.chain`` hands to every transformation that takes extra arguments.
+    """
+    takes = inspect.signature(tx.update).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes):
+        return tx  # no extra arguments: linen's names only
+
     def update(updates, state, params=None, **extra):
-        with batchnorm_modules(norms):
-            return tx.update(updates, state, params, **extra)
+        return tx.update(updates, state, params, batchnorm_paths=norms, **extra)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)
 

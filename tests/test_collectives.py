@@ -77,7 +77,7 @@ def test_exactly_n_minus_k_contributors_and_mask_agrees(n, randomize):
                                           mask[r].astype(np.int64))
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("randomize", [True, False])
 def test_left_out_is_exactly_what_the_mask_excludes(n, randomize):
     rng = np.random.default_rng(n)
@@ -102,7 +102,7 @@ def test_left_out_is_exactly_what_the_mask_excludes(n, randomize):
         assert all(np.all(d == k) for d in jax.tree_util.tree_leaves(dropped))
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_ring_gather_puts_random_sub_chunks_where_the_native_one_does(n):
     # Integers, different per element and rank: any misplaced piece shows.
     x = np.random.default_rng(n).integers(-99, 99, size=(n, 5000)).astype(np.float32)

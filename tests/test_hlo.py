@@ -26,7 +26,7 @@ def _traffic(fn, n, size, dtype=jnp.float32):
     return sr.collective_traffic(_compiled_text(fn, n, size, dtype))
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("gather", ["native", "ring"])
 @pytest.mark.parametrize("unrolled", [True, False])
 def test_skip_psum_traffic_matches_formula(n, gather, unrolled, monkeypatch):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
 
@@ -90,18 +91,69 @@ class _Net(nnx.Module):
         self.b = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
 
 
+def _trace_update(tx, params, **extra):
+    """Traces one ``tx.update`` inside a shard_map over 8 ranks (warnings fire here)."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    state = tx.init(params)
+    step = jax.shard_map(lambda p: tx.update(_local(p), state, p, **extra)[0], mesh=mesh,
+                         in_specs=P(), out_specs=P())
+    jax.jit(step).lower(params)
+
+
+def _local(tree):  # each rank's own gradient, typed varying
+    return jax.tree_util.tree_map(lambda x: jax.lax.pcast(x, "data", to="varying"), tree)
+
+
+def _unnamed_params():
+    # Names that say nothing: "b" is a BatchNorm only if the caller says so.
+    return {"a": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)},
+            "b": {"scale": jnp.ones(8), "bias": jnp.zeros(8)}}
+
+
+def test_update_knows_the_batchnorm_paths_it_is_given():
+    tx = sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF)
+    _no_warning(lambda: _trace_update(tx, _unnamed_params()))
+    with pytest.warns(sr.BatchNormWarning, match=r"\['b'\].*\['a'\]\['bias'\]"):
+        _trace_update(tx, _unnamed_params(), batchnorm_paths=[("b",)])
+    # Through optax.chain, which hands extra arguments on.
+    chained = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF),
+                          optax.sgd(0.1))
+    with pytest.warns(sr.BatchNormWarning):
+        _trace_update(chained, _unnamed_params(), batchnorm_paths=[("b",)])
+
+
+def test_the_same_update_gives_the_same_numbers_wherever_it_is_called():
+    # exact_radial's default reads only update()'s arguments: the same call
+    # inside the NNX helpers' optimizer and outside it is the same program.
+    tx = sr.skip_reduce("data", num_skip=4, min_size=0)
+    params = _unnamed_params()
+    texts = []
+    for extra in ({}, {"batchnorm_paths": [("b",)]}, {}):
+        mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        state = tx.init(params)
+        step = jax.shard_map(lambda p, extra=extra: tx.update(_local(p), state, p, **extra)[0],
+                             mesh=mesh, in_specs=P(), out_specs=P())
+        texts.append(jax.jit(step).lower(params).as_text())
+    assert texts[0] == texts[2] != texts[1]
+
+
 @pytest.mark.parametrize("axis_name", ["data", None])
 def test_nnx_init_optimizer_finds_batchnorm_by_type(axis_name):
     mesh = jax.make_mesh((N,), ("data",))
     model = _Net(axis_name, nnx.Rngs(0))
     tx = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF),
                      optax.sgd(0.1))
+    optimizer = _no_warning(
+        lambda: srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param))
+    params = nnx.state(model, nnx.Param)
     if axis_name is None:  # per-rank statistics: nothing drifts
-        _no_warning(lambda: srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param))
+        _no_warning(lambda: _trace_update(optimizer.tx, params))
     else:
         with pytest.warns(sr.BatchNormWarning, match=r"\['b'\].*\['a'\]\['bias'\]"):
-            srnnx.init_optimizer(model, tx, mesh, "data", wrt=nnx.Param)
+            _trace_update(optimizer.tx, params)
     # Fully reducing the layer that feeds it silences it.
     quiet = optax.chain(sr.skip_reduce("data", skip_ratio=0.5, min_size=0, **OFF,
                                        selective=sr.exclude(r"\['a'\]")), optax.sgd(0.1))
-    _no_warning(lambda: srnnx.init_optimizer(model, quiet, mesh, "data", wrt=nnx.Param))
+    optimizer = srnnx.init_optimizer(model, quiet, mesh, "data", wrt=nnx.Param)
+    _no_warning(lambda: _trace_update(optimizer.tx, params))
+    sr.assert_replicated(nnx.state(model), mesh)
