@@ -22,6 +22,7 @@ from skipreduce_jax._collectives import skip_pmean as skip_pmean
 from skipreduce_jax._collectives import skip_pmean_and_left_out as skip_pmean_and_left_out
 from skipreduce_jax._collectives import skip_psum as skip_psum
 from skipreduce_jax._collectives import skip_psum_scatter as skip_psum_scatter
+from skipreduce_jax._config import CollectiveOptions as CollectiveOptions
 from skipreduce_jax._config import RingOptions as RingOptions
 from skipreduce_jax._config import SkipOptions as SkipOptions
 from skipreduce_jax._count import mean_count as mean_count

@@ -15,7 +15,7 @@ native all-gather over the inner axis.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,11 @@ from skipreduce_jax._buckets import (
     plan_buckets,
 )
 from skipreduce_jax._config import (
+    RING_OPTIONS,
+    CollectiveOptions,
     RingSettings,
     SkipConfig,
-    ring_keywords,
+    collective,
     ring_settings,
     skip_config,
 )
@@ -45,7 +47,7 @@ from skipreduce_jax._schedule import (
     make_scatter_schedule,
     make_schedule,
 )
-from skipreduce_jax._types import DTypeLike, PyTree
+from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
 from skipreduce_jax._wire import check_comm_width, nan_unless_finite
 
@@ -53,6 +55,8 @@ Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = {"contributors": "divide by the N - k ranks summed",
                      "world": "divide by N"}
 GATHER_CHOICES = {"native": "lax.all_gather", "ring": "N - 1 ppermute steps"}
+# What a reduce-scatter reads of the ring settings: its blocks are whole rows.
+_SCATTER_READS = tuple(n for n in RING_OPTIONS if n not in ("chunks_per_rank", "layout"))
 
 
 # ----------------------------------------------------------------------------
@@ -340,15 +344,7 @@ def _left_out(buffer: jax.Array, schedule: SkipSchedule, axis_name: str,
 # ----------------------------------------------------------------------------
 
 
-def ring_psum(
-    x: PyTree,
-    axis_name: str,
-    *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    gather: _ring.Gather = "native",
-    specs: PyTree = None,
-    comm_dtype: DTypeLike | None = None,
-) -> PyTree:
+def ring_psum(x: PyTree, axis_name: str, **options: Unpack[CollectiveOptions]) -> PyTree:
     """All-reduce (sum) over ``axis_name`` with a ring of ppermute steps.
 
     Equals ``lax.psum(x, axis_name)`` (exactly for integers; up to the order of
@@ -358,6 +354,7 @@ def ring_psum(
     Args:
       x: a pytree of arrays (floating or integer).
       axis_name: the mesh axis to sum over.
+      **options: of :class:`CollectiveOptions`, these four (others are refused):
       bucket_bytes: leaves of one dtype are packed into buffers of at most
         this many bytes, one ring per buffer.
       gather: ``"native"`` (``lax.all_gather``; the result is typed replicated
@@ -385,24 +382,33 @@ def ring_psum(
       >>> float(f(x)[0])
       28.0
     """
+    unknown = sorted(set(options) - set(_PSUM_OPTIONS))
+    if unknown:
+        raise TypeError(f"ring_psum() got an unexpected keyword argument {unknown[0]!r}: "
+                        f"it takes {list(_PSUM_OPTIONS)}.")
+    options = {**_PSUM_OPTIONS, **options}
     _check_not_bool(x, "ring_psum", ", or reduce it with lax.pmax")
     config = skip_config(None, dict(num_skip=0, randomize=False, chunks_per_rank=1,
-                                    bucket_bytes=bucket_bytes, comm_dtype=comm_dtype),
-                         api="ring_psum")
+                                    bucket_bytes=options["bucket_bytes"],
+                                    comm_dtype=options["comm_dtype"]), api="ring_psum")
     ring = ring_settings(axis_name, None, config, api="ring_psum")
-    return _reduce(x, ring, key=None, phase=0, scale=None, gather=gather, specs=specs)
+    return _reduce(x, ring, key=None, phase=0, scale=None, gather=options["gather"],
+                   specs=options["specs"])
 
 
-@ring_keywords
-def skip_psum(
+# ring_psum's keywords and their defaults.
+_PSUM_OPTIONS = dict(bucket_bytes=DEFAULT_BUCKET_BYTES, gather="native", specs=None,
+                     comm_dtype=None)
+
+
+@collective("phase", "rescale", "inner_axis", "gather", "specs")
+def skip_psum(  # noqa: D417 (ring: documented as axis_name, config, options)
     x: PyTree,
-    axis_name: str,
+    ring: RingSettings,
     *,
     key: jax.Array | None,
-    config: SkipConfig | None = None,
     phase: jax.Array | int = 0,
     rescale: bool = False,
-    inner_axis: str | None = None,
     gather: _ring.Gather = "native",
     specs: PyTree = None,
 ) -> PyTree:
@@ -441,9 +447,11 @@ def skip_psum(
         only ``axis_name`` is skipped.
       gather: ``"native"`` or ``"ring"``, as in :func:`ring_psum`.
       specs: as in :func:`ring_psum`.
-      **ring_options: the ring settings as keywords in place of ``config``
-        (refused beside it), e.g. ``num_skip=4``; each is detailed with
-        :ref:`skip_reduce's options <skip-reduce-option-details>`.
+      **options: keywords of :class:`CollectiveOptions`: the ring settings
+        in place of ``config`` (refused beside it), e.g. ``num_skip=4``, each
+        detailed with :ref:`skip_reduce's options <skip-reduce-option-details>`;
+        and the call's own: ``phase``, ``rescale``, ``inner_axis``,
+        ``gather`` and ``specs`` above. Any other keyword is refused.
 
     Returns:
       The partial sum, identical on every rank, with ``x``'s structure and
@@ -470,29 +478,15 @@ def skip_psum(
       >>> float(out[0, 0])
       4.0
     """
-    api = "skip_psum"
-    _check_floating(jax.tree_util.tree_leaves(x), api)
-    checks.check_bool(rescale, "rescale", api=api,
-                      meaning="True: multiply the sum by N / (N - k)")
-    ring = ring_settings(axis_name, inner_axis, config, api=api)
-    scale = ring.n / (ring.n - ring.num_skip) if rescale else None
+    _check_floating(jax.tree_util.tree_leaves(x), ring.api)
+    scale = _rescale(rescale, ring)
     return _reduce(x, ring, key=key, phase=phase, scale=scale, gather=gather,
                    specs=specs)
 
 
-@ring_keywords
-def skip_pmean(
-    x: PyTree,
-    axis_name: str,
-    *,
-    key: jax.Array | None,
-    config: SkipConfig | None = None,
-    phase: jax.Array | int = 0,
-    normalize: Normalize = "contributors",
-    inner_axis: str | None = None,
-    gather: _ring.Gather = "native",
-    specs: PyTree = None,
-) -> PyTree:
+@collective("phase", "normalize", "inner_axis", "gather", "specs")
+def skip_pmean(x: PyTree, ring: RingSettings, *, key: jax.Array | None,
+               **call: Any) -> PyTree:
     """SkipReduce mean: :func:`skip_psum` divided by the contributor count.
 
     It takes :func:`skip_psum`'s arguments but ``rescale``: ``config`` is a
@@ -506,24 +500,12 @@ def skip_pmean(
     Returns:
       The partial mean, identical on every rank.
     """
-    ring = ring_settings(axis_name, inner_axis, config, api="skip_pmean")
-    return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
-                  specs=specs)
+    return _pmean(x, ring, key=key, **call)
 
 
-@ring_keywords
-def skip_pmean_and_left_out(
-    x: PyTree,
-    axis_name: str,
-    *,
-    key: jax.Array | None,
-    config: SkipConfig | None = None,
-    phase: jax.Array | int = 0,
-    normalize: Normalize = "contributors",
-    inner_axis: str | None = None,
-    gather: _ring.Gather = "native",
-    specs: PyTree = None,
-) -> tuple[PyTree, PyTree]:
+@collective("phase", "normalize", "inner_axis", "gather", "specs")
+def skip_pmean_and_left_out(x: PyTree, ring: RingSettings, *, key: jax.Array | None,
+                            **call: Any) -> tuple[PyTree, PyTree]:
     """:func:`skip_pmean`, plus this rank's values the sum left out.
 
     It takes the arguments of :func:`skip_pmean` (``config``: a
@@ -550,13 +532,12 @@ def skip_pmean_and_left_out(
       >>> float(mean[0, 0]), float(left_out.sum())  # 1 of 8 ranks left out
       (1.0, 64.0)
     """
-    ring = ring_settings(axis_name, inner_axis, config, api="skip_pmean_and_left_out")
-    return _pmean(x, ring, key=key, phase=phase, normalize=normalize, gather=gather,
-                  specs=specs, with_left_out=True)
+    return _pmean(x, ring, key=key, with_left_out=True, **call)
 
 
-def _pmean(x: Any, ring: RingSettings, *, key: Any, phase: Any, normalize: Any,
-           gather: _ring.Gather = "native", specs: Any = None,
+def _pmean(x: Any, ring: RingSettings, *, key: Any, phase: Any = 0,
+           normalize: Normalize = "contributors", gather: _ring.Gather = "native",
+           specs: Any = None,
            with_left_out: bool = False, in_place: bool = True) -> Any:
     checks.check_choice(normalize, "normalize", NORMALIZE_CHOICES, api=ring.api)
     _check_floating(jax.tree_util.tree_leaves(x), ring.api)
@@ -582,15 +563,13 @@ def pmean_for_update(x: PyTree, axis_name: str, *, config: SkipConfig, key: Any,
                   with_left_out=with_left_out, in_place=False)
 
 
-@ring_keywords
+@collective("phase", "inner_axis", "specs")
 def contribution_mask(
     x: PyTree,
-    axis_name: str,
+    ring: RingSettings,
     *,
     key: jax.Array | None,
-    config: SkipConfig | None = None,
     phase: jax.Array | int = 0,
-    inner_axis: str | None = None,
     specs: PyTree = None,
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum` sums.
@@ -607,7 +586,6 @@ def contribution_mask(
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is part of the sum.
     """
-    ring = ring_settings(axis_name, inner_axis, config, api="contribution_mask")
     return _mask(x, ring, key=key, phase=phase, specs=specs)
 
 
@@ -686,16 +664,14 @@ def _scatter(x: Any, ring: RingSettings, *, key: Any, phase: Any,
     return plan.unpack(rows, fill=zeros)
 
 
-@ring_keywords
-def skip_psum_scatter(
+@collective("phase", "rescale", "inner_axis", reads=_SCATTER_READS)
+def skip_psum_scatter(  # noqa: D417 (as skip_psum)
     x: PyTree,
-    axis_name: str,
+    ring: RingSettings,
     *,
     key: jax.Array | None,
-    config: SkipConfig | None = None,
     phase: jax.Array | int = 0,
     rescale: bool = False,
-    inner_axis: str | None = None,
 ) -> PyTree:
     """SkipReduce reduce-scatter: each rank's own block, summed over N - k ranks.
 
@@ -739,8 +715,9 @@ def skip_psum_scatter(
         cycles through the N - 1 other ranks); 0: the key's own draw.
       rescale: multiply by N / (N - k).
       inner_axis: hierarchical mode: a second (fast) axis reduced in full.
-      **ring_options: the ring settings as keywords in place of ``config``,
-        as in :func:`skip_psum`.
+      **options: as in :func:`skip_psum`: the ring settings but
+        ``chunks_per_rank`` and ``layout``, and ``phase``, ``rescale`` and
+        ``inner_axis``.
 
     Returns:
       This rank's blocks, ``[ceil(L / N), ...]`` per leaf (``N L`` blocks in
@@ -759,23 +736,23 @@ def skip_psum_scatter(
       >>> out.shape, np.asarray(out)[0, 0].item()  # block r of the 8-rank sum
       ((8, 16), 8.0)
     """
-    api = "skip_psum_scatter"
-    checks.check_bool(rescale, "rescale", api=api,
+    return _scatter(x, ring, key=key, phase=phase, scale=_rescale(rescale, ring))
+
+
+def _rescale(rescale: Any, ring: RingSettings) -> float | None:
+    """``rescale``'s factor N / (N - k), or None."""
+    checks.check_bool(rescale, "rescale", api=ring.api,
                       meaning="True: multiply the sum by N / (N - k)")
-    ring = ring_settings(axis_name, inner_axis, config, api=api)
-    scale = ring.n / (ring.n - ring.num_skip) if rescale else None
-    return _scatter(x, ring, key=key, phase=phase, scale=scale)
+    return ring.n / (ring.n - ring.num_skip) if rescale else None
 
 
-@ring_keywords
+@collective("phase", "inner_axis", reads=_SCATTER_READS)
 def scatter_contribution_mask(
     x: PyTree,
-    axis_name: str,
+    ring: RingSettings,
     *,
     key: jax.Array | None,
-    config: SkipConfig | None = None,
     phase: jax.Array | int = 0,
-    inner_axis: str | None = None,
 ) -> PyTree:
     """Which of this rank's values :func:`skip_psum_scatter` sums.
 
@@ -789,7 +766,6 @@ def scatter_contribution_mask(
       A pytree of bool arrays shaped like ``x``: True where this rank's value
       is summed into its owner's block (padding rows excluded).
     """
-    ring = ring_settings(axis_name, inner_axis, config, api="scatter_contribution_mask")
     return scatter_mask(x, ring, key=key, phase=phase)
 
 

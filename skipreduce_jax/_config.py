@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
@@ -68,6 +68,29 @@ class RingOptions(TypedDict, total=False):
     accumulate_dtype: DTypeLike | None
     comm_dtype: DTypeLike | None
     layout: str
+
+
+class CollectiveOptions(RingOptions, total=False):
+    """A collective's keywords: the ring settings, and the call's own.
+
+    Each collective takes the ones its documentation lists and refuses the
+    others by name.
+
+    Attributes:
+      phase: the step's place in a balanced period (:func:`balanced_draw`).
+      inner_axis: hierarchical mode: a fast axis summed in full.
+      gather: ``"native"`` (``lax.all_gather``) or ``"ring"``.
+      specs: the leaves' layouts over the compiler's mesh axes.
+      rescale: multiply the sum by N / (N - k).
+      normalize: ``"contributors"`` or ``"world"``: what a mean divides by.
+    """
+
+    phase: Any
+    inner_axis: str | None
+    gather: str
+    specs: PyTree
+    rescale: bool
+    normalize: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,35 +191,56 @@ def config_or_keywords(fun):
     return call
 
 
-def ring_keywords(fun):
-    """Gives a collective ``fun(x, axis_name, *, key, config, ...)`` keywords.
+def collective(*takes: str, reads: Sequence[str] = RING_OPTIONS):
+    """Makes ``body(x, ring, *, key, ...)`` a public collective.
 
-    They are ``config``'s ring settings (:class:`RingOptions`). One thin
-    wrapper: ``fun``'s body reads only the checked ``config``; the keywords
-    build it (both together are refused, even at a default).
+    The collective is ``(x, axis_name, *, key, config, **options)``.
+
+    ``takes``: the call's own keywords (of :class:`CollectiveOptions`) the
+    body accepts; ``reads``: the ring settings it reads. The keywords build
+    the config (both together are refused, even at a default); the axes
+    meet it once, here, into the :class:`RingSettings` the body gets; any
+    other keyword is refused by name.
     """
-    api = fun.__name__
-    signature = inspect.signature(fun)
-    shown = [p.replace(default=None) if p.name == "config" else p
-             for p in signature.parameters.values()]
-    shown.append(inspect.Parameter("ring_options", inspect.Parameter.VAR_KEYWORD,
-                                   annotation=Unpack[RingOptions]))
+    def wrap(body):
+        api = body.__name__
+        own = inspect.signature(body).parameters
 
-    @functools.wraps(fun)
-    def call(x, axis_name, *, config=None, **kwargs):
-        given = {name: kwargs.pop(name) for name in RING_OPTIONS if name in kwargs}
-        if config is None and given.get("num_skip") is None and given.get(
-                "skip_ratio") is None:
-            raise TypeError(
-                f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or "
-                "config= (a skipreduce_jax.SkipConfig); got neither.")
-        if config is None and given.get("num_skip") is not None:
-            n, _ = checks.axes_pair(axis_name, kwargs.get("inner_axis"), api=api)
-            checks.check_num_skip(given["num_skip"], n, api=api)
-        return fun(x, axis_name, config=skip_config(config, given, api=api), **kwargs)
+        @functools.wraps(body)
+        def call(x, axis_name, *, key, config=None, **options):
+            given = {name: options.pop(name) for name in RING_OPTIONS if name in options}
+            unknown = sorted(set(options) - set(takes)) + sorted(set(given) - set(reads))
+            if unknown:
+                raise TypeError(
+                    f"{api}() got an unexpected keyword argument {unknown[0]!r}: it "
+                    f"takes key, config, the ring settings {list(reads)} and "
+                    f"{list(takes)}.")
+            if config is None and given.get("num_skip") is None and given.get(
+                    "skip_ratio") is None:
+                raise TypeError(
+                    f"{api}: give num_skip= (k, the reduce-scatter steps to skip) or "
+                    "config= (a skipreduce_jax.SkipConfig); got neither.")
+            inner_axis = options.pop("inner_axis", None)
+            if config is None and given.get("num_skip") is not None:
+                n, _ = checks.axes_pair(axis_name, inner_axis, api=api)
+                checks.check_num_skip(given["num_skip"], n, api=api)
+            ring = ring_settings(axis_name, inner_axis, skip_config(config, given, api=api),
+                                 api=api)
+            return body(x, ring, key=key, **options)
 
-    call.__signature__ = signature.replace(parameters=shown)
-    return call
+        shown = [inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   annotation=own["x"].annotation),
+                 inspect.Parameter("axis_name", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   annotation="str"),
+                 own["key"],
+                 inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation="SkipConfig | None"),
+                 inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD,
+                                   annotation=Unpack[CollectiveOptions])]
+        call.__signature__ = inspect.Signature(
+            shown, return_annotation=inspect.signature(body).return_annotation)
+        return call
+    return wrap
 
 
 def check_ring(values: dict[str, Any], *, api: str) -> dict[str, Any]:

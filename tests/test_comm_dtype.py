@@ -190,10 +190,11 @@ def test_skip_reduce_passes_it_and_comm_stats_counts_it():
     assert stats.ratio == pytest.approx((2 * (n - 1) - k) / (4 * (n - 1)))
 
 
-def test_comm_stats_equals_the_compiled_step():
+@pytest.mark.parametrize("comm", [BF16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_comm_stats_equals_the_compiled_step(comm):
     n, k = 8, 4
     shape = (n, 128, 96)
-    tx = sr.skip_reduce("i", num_skip=k, seed=0, min_size=0, comm_dtype=BF16)
+    tx = sr.skip_reduce("i", num_skip=k, seed=0, min_size=0, comm_dtype=comm)
     mesh = line_mesh(n)
 
     def f(g):
@@ -203,9 +204,14 @@ def test_comm_stats_equals_the_compiled_step():
     spec = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("i")))
     text = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
                    ).lower(spec).compile().as_text()
-    stats = sr.comm_stats(jax.ShapeDtypeStruct(shape[1:], jnp.float32), n,
-                          num_skip=k, min_size=0, comm_dtype=BF16)
+    like = jax.ShapeDtypeStruct(shape[1:], jnp.float32)
+    stats = sr.comm_stats(like, n, num_skip=k, min_size=0, comm_dtype=comm)
     assert sr.collective_traffic(text).bytes_per_device() == stats.bytes_per_device
+    wide = sr.comm_stats(like, n, num_skip=k, min_size=0).bytes_per_device
+    if jnp.dtype(comm).itemsize == 1:  # a byte per element, a 4-byte scale per 256
+        assert stats.bytes_per_device == pytest.approx(wide / 4 * (256 + 4) / 256)
+    else:
+        assert stats.bytes_per_device == wide / 2
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -386,29 +392,6 @@ def test_float8_wire_scales_blocks_so_small_gradients_survive(comm, gather):
     # against the largest partial sum of its block.
     bound = (n - k + 1) * F8_EPS[comm] * np.abs(x).sum(0).max()
     assert err.max() < bound
-
-
-@pytest.mark.parametrize("comm", F8)
-def test_float8_wire_bytes_a_quarter_plus_scales_in_comm_stats_and_compiled(comm):
-    n, k = 8, 4
-    shape = (n, 128, 96)
-    tx = sr.skip_reduce("i", num_skip=k, seed=0, min_size=0, comm_dtype=comm)
-    mesh = line_mesh(n)
-
-    def f(g):
-        out, _ = tx.update(g[0], tx.init(g[0]))
-        return out[None]
-
-    spec = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("i")))
-    text = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-                   ).lower(spec).compile().as_text()
-    like = jax.ShapeDtypeStruct(shape[1:], jnp.float32)
-    stats = sr.comm_stats(like, n, num_skip=k, min_size=0, comm_dtype=comm)
-    assert sr.collective_traffic(text).bytes_per_device() == stats.bytes_per_device
-    wide = sr.comm_stats(like, n, num_skip=k, min_size=0)
-    # One byte per element, and a 4-byte scale per block of 256.
-    assert stats.bytes_per_device == pytest.approx(
-        wide.bytes_per_device / 4 * (256 + 4) / 256)
 
 
 @pytest.mark.parametrize("comm", F8)

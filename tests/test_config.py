@@ -110,10 +110,18 @@ RING = dict(num_skip=3, chunks_per_rank=2, bucket_bytes=512, layout="units",
             accumulate_dtype=jnp.float32, comm_dtype=jnp.bfloat16)
 
 
+SCATTERS = ("skip_psum_scatter", "scatter_contribution_mask")
+
+
 def _keywords(api, settings):
-    """``settings`` (a SkipConfig's ring fields) as ``api``'s keywords: all of them."""
+    """``settings`` (a SkipConfig's ring fields) as ``api``'s keywords: those it reads.
+
+    A reduce-scatter's blocks are whole rows: it reads no ``chunks_per_rank``
+    or ``layout`` (and refuses them as keywords).
+    """
     assert set(settings) <= set(sr.RingOptions.__annotations__)
-    return dict(settings)
+    unread = ("chunks_per_rank", "layout") if api in SCATTERS else ()
+    return {k: v for k, v in settings.items() if k not in unread}
 
 
 def _tree(n, rng):
@@ -186,7 +194,8 @@ def test_neither_num_skip_nor_a_config_is_refused(api):
 @pytest.mark.parametrize("api,keyword", [
     (api, keyword) for api in [*COLLECTIVES, "skip_reduce"]
     for keyword in (dict(randomize=True), dict(layout="flat"),
-                    dict(bucket_bytes=sr.DEFAULT_BUCKET_BYTES))])
+                    dict(bucket_bytes=sr.DEFAULT_BUCKET_BYTES))
+    if not (api in SCATTERS and "layout" in keyword)])
 def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
     # Not silently the config's value: a keyword given is refused even where
     # it equals its default (the config here says randomize=False).
@@ -200,13 +209,36 @@ def test_a_keyword_at_its_default_beside_a_config_is_refused(api, keyword):
 
 
 @pytest.mark.parametrize("api", COLLECTIVES)
-def test_a_collective_shows_its_ring_settings_once_as_ring_options(api):
-    """(x, axis_name, *, key, config, ...): the ring settings are one **ring_options."""
+def test_a_collective_shows_its_ring_settings_once_as_options(api):
+    """(x, axis_name, *, key, config, **options): every keyword is one **options."""
     params = inspect.signature(getattr(sr, api)).parameters
-    assert list(params)[:4] == ["x", "axis_name", "key", "config"]
+    assert list(params) == ["x", "axis_name", "key", "config", "options"]
     assert params["config"].default is None
-    assert params["ring_options"].kind is inspect.Parameter.VAR_KEYWORD
-    assert not set(params) & set(sr.RingOptions.__annotations__)
+    assert params["options"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_the_collectives_take_at_most_40_parameter_slots():
+    names = [*COLLECTIVES, "ring_psum"]
+    assert len(set(names)) == 7
+    assert sum(len(inspect.signature(getattr(sr, n)).parameters) for n in names) <= 40
+
+
+@pytest.mark.parametrize("api, keyword", [
+    ("skip_psum_scatter", dict(layout="units")),          # a scatter's blocks are rows
+    ("skip_psum_scatter", dict(chunks_per_rank=2)),
+    ("scatter_contribution_mask", dict(gather="ring")),
+    ("contribution_mask", dict(rescale=True)),
+    ("skip_psum", dict(normalize="world")),
+    ("skip_pmean", dict(rescale=True)),
+])
+def test_a_keyword_a_collective_would_not_read_is_refused_by_name(api, keyword):
+    name = next(iter(keyword))
+    with pytest.raises(TypeError, match=rf"^{api}\(\) got an unexpected keyword argument "
+                       rf"'{name}': it takes key, config"):
+        getattr(sr, api)(jnp.ones((8, 4)), "i", key=None, num_skip=1, **keyword)
+    if name not in ("bucket_bytes", "gather", "specs", "comm_dtype"):  # ring_psum's
+        with pytest.raises(TypeError, match=rf"^ring_psum\(\) got .* '{name}'"):
+            sr.ring_psum(jnp.ones(4), "i", **keyword)
 
 
 @pytest.mark.parametrize("api", COLLECTIVES)
