@@ -70,4 +70,4 @@ from skipreduce_jax._transform import skip_reduce as skip_reduce
 from skipreduce_jax.distributed import initialize as initialize
 from skipreduce_jax.distributed import process_info as process_info
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"

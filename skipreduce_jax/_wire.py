@@ -8,9 +8,9 @@ becomes a wire:
 
 - ``None``: the sum's own dtype crosses (the gather sends the leaves');
 - ``jnp.bfloat16``, ``jnp.float16``: rounded to it once per hop;
-- ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``: each block of 256 elements of
-  a piece's rows scaled to float8's range by its largest magnitude, the
-  float32 scale sent beside it (1.6% more bytes).
+- ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``: each block of at most 256
+  elements of a piece's rows scaled to float8's range by its largest
+  magnitude, the float32 scale sent beside it (about 1.6% more bytes).
 
 XLA:CPU sends 16-bit float collectives as float32; narrow values therefore
 cross bit-cast into uint32 words (on CPU only, decided at lowering).
@@ -32,8 +32,8 @@ from skipreduce_jax import _checks as checks
 
 Move = Callable[[jax.Array], jax.Array]
 
-# The float8 wire scales blocks of this many elements (64 uint32 words), each
-# block's float32 scale crossing as one more word.
+# The float8 wire scales blocks of at most this many elements, each block's
+# float32 scale crossing as one more uint32 word.
 SCALE_BLOCK = 256
 
 
@@ -198,17 +198,29 @@ class Scaled(Rounded):
         return _scaled_gather(self, gather, shard, schedule).astype(dtype)
 
     def piece_bytes(self, rows, columns, dtype, accumulate_dtype, *, phase):
-        return rows * -(-columns // SCALE_BLOCK) * (SCALE_BLOCK * self.dtype.itemsize + 4)
+        blocks, size = self.blocks(columns)
+        return rows * blocks * (size * self.dtype.itemsize + 4)
 
     def finite_check(self) -> bool:
         return False
 
+    def blocks(self, m: int) -> tuple[int, int]:
+        """How a row of ``m`` elements is cut: ``(blocks, elements per block)``.
+
+        As few blocks of at most :data:`SCALE_BLOCK` as hold the row, equal,
+        each a whole number of uint32 words: under 4 elements of padding
+        per block, where blocks of 256 would pad a row of 260 to 512.
+        """
+        blocks = max(1, -(-m // SCALE_BLOCK))
+        per_word = 4 // self.dtype.itemsize
+        return blocks, -(-m // (blocks * per_word)) * per_word
+
     def encode(self, x: jax.Array) -> jax.Array:
-        """``[..., m]`` values as ``[..., blocks * 65]`` uint32 words: 64 of float8, 1 scale."""
-        blocks = -(-x.shape[-1] // SCALE_BLOCK)
-        pad = blocks * SCALE_BLOCK - x.shape[-1]
+        """``[..., m]`` values as uint32 words: per block its float8 values, then its scale."""
+        blocks, size = self.blocks(x.shape[-1])
+        pad = blocks * size - x.shape[-1]
         x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-        x = x.reshape(x.shape[:-1] + (blocks, SCALE_BLOCK))
+        x = x.reshape(x.shape[:-1] + (blocks, size))
         peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
         largest = float(jnp.finfo(self.dtype).max)
         scale = jnp.where(peak > 0, peak / largest, 1.0)
@@ -218,10 +230,10 @@ class Scaled(Rounded):
         return words.reshape(words.shape[:-2] + (-1,))
 
     def decode(self, words: jax.Array, size: int) -> jax.Array:
-        """The first ``size`` float32 values of each row :meth:`encode` made."""
-        per_block = SCALE_BLOCK * self.dtype.itemsize // 4 + 1
-        words = words.reshape(words.shape[:-1] + (-1, per_block))
-        values = _from_words(words[..., :-1], self.dtype, SCALE_BLOCK)
+        """The ``size`` float32 values of each row :meth:`encode` made of ``size``."""
+        blocks, block = self.blocks(size)
+        words = words.reshape(words.shape[:-1] + (blocks, -1))
+        values = _from_words(words[..., :-1], self.dtype, block)
         scale = lax.bitcast_convert_type(words[..., -1:], jnp.float32)
         x = values.astype(jnp.float32) * scale
         return x.reshape(x.shape[:-2] + (-1,))[..., :size]
