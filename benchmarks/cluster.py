@@ -81,7 +81,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from skipreduce_jax._supervisor import Job, Process  # noqa: E402
+from skipreduce_jax._runtime.supervisor import Job, Process  # noqa: E402
 from skipreduce_jax.distributed import (  # noqa: E402
     ENV_COORDINATOR,
     ENV_GLOO_INTERFACE,

@@ -274,7 +274,7 @@ def make_variants(n: int, ks: Sequence[int] | None, modes: Sequence[str],
 
 def theory_ratio(n: int, k: int) -> float:
     """Traffic of SkipReduce relative to the full ring: (2(N-1)-k)/(2(N-1))."""
-    from skipreduce_jax._traffic import traffic_fraction
+    from skipreduce_jax._ring.traffic import traffic_fraction
 
     return traffic_fraction(n, k)
 
@@ -283,7 +283,7 @@ def padded_elements(size: int, n: int, variant: Variant) -> int:
     """Elements of the buffer the collective moves, after the ring's padding."""
     if variant.kind in ("psum", "part"):
         return size
-    from skipreduce_jax._buckets import plan_buckets
+    from skipreduce_jax._ring.buckets import plan_buckets
 
     shape = jax_shape_struct(size)
     chunks = 1 if variant.kind == "ring" else None
@@ -316,7 +316,7 @@ def expected_wire_bytes(size: int, n: int, variant: Variant, platform: str = "cp
     For the parts: 1/N of the buffer (one step, also beside the reorder),
     (N-1)/N (all_gather) and nothing (the reorder is local).
     """
-    from skipreduce_jax._traffic import all_gather_bytes, skipreduce_bytes
+    from skipreduce_jax._ring.traffic import all_gather_bytes, skipreduce_bytes
 
     chunk_bytes = size // n * 4
     if variant.name == REORDER:
@@ -357,8 +357,8 @@ def build_function(variant: Variant, mesh: Any, gather: str,
     def reorder_pieces(x: Any, key: Any, count: int) -> list[Any]:
         # The reorder skip_psum runs for this buffer (same sub-chunks), cut
         # into `count` independent pieces along each sub-chunk.
-        from skipreduce_jax import _ring
-        from skipreduce_jax._buckets import plan_buckets
+        from skipreduce_jax._ring import ring as _ring
+        from skipreduce_jax._ring.buckets import plan_buckets
 
         bucket = plan_buckets(jax_shape_struct(x.shape[0]), group_size=n).buckets[0]
         schedule = sr.make_schedule(n, num_skip=1, key=jax.random.wrap_key_data(key),

@@ -89,7 +89,7 @@ def measure(grads, ranks: int, num_skip: int, seed: int) -> dict[str, float]:
     from jax.sharding import PartitionSpec as P
 
     import skipreduce_jax as sr
-    from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
+    from skipreduce_jax._ring.buckets import DEFAULT_BUCKET_BYTES
 
     mesh = jax.make_mesh((ranks,), ("data",), devices=jax.devices()[:ranks])
     kw = dict(key=jax.random.key(seed), num_skip=num_skip)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     _setup(args.ranks)
     import convergence
 
-    from skipreduce_jax._traffic import skip_ratio_to_num_skip
+    from skipreduce_jax._ring.traffic import skip_ratio_to_num_skip
 
     k = skip_ratio_to_num_skip(args.skip_ratio, args.ranks)
     rows = []

@@ -36,7 +36,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import skipreduce_jax as sr  # noqa: E402
-from skipreduce_jax import _hlo, _traffic  # noqa: E402
+from skipreduce_jax._ring import traffic as _traffic  # noqa: E402
+from skipreduce_jax._runtime import hlo as _hlo
 
 
 def loss_fn(params, x):

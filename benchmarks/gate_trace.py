@@ -30,7 +30,7 @@ if str(_REPO_ROOT) not in sys.path:
 
 import skipreduce_jax as sr  # noqa: E402
 from benchmarks import convergence as conv  # noqa: E402
-from skipreduce_jax import _gate  # noqa: E402
+from skipreduce_jax._optax import gate as _gate  # noqa: E402
 
 
 def trace(workload: str, seed: int, steps: int) -> list[dict[str, Any]]:

@@ -46,8 +46,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax import _ring
-from skipreduce_jax._buckets import plan_buckets
+from skipreduce_jax._ring import ring as _ring
+from skipreduce_jax._ring.buckets import plan_buckets
 
 RING = 8  # ranks of the emulated ring (hops, reorder)
 

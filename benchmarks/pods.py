@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import skipreduce_jax as sr  # noqa: E402
-from skipreduce_jax import _traffic  # noqa: E402
+from skipreduce_jax._ring import traffic as _traffic  # noqa: E402
 
 SLOW, FAST = "slow", "fast"
 H100_SPEC = pathlib.Path(__file__).resolve().parents[1] / "tests" / "pods" / "h100_sxm.txtpb"
@@ -291,7 +291,7 @@ class Collective:
         ``dcn-all_gather``, ``dcn-all_reduce``).
       group_size: devices (TPU: slices) in the op's group.
       bytes_per_device: bytes each device sends per call, runs included (the
-        ring formulas of ``skipreduce_jax._traffic`` over ``group_size``).
+        ring formulas of ``skipreduce_jax._ring.traffic`` over ``group_size``).
       count: runs per call (known while-loop trip counts multiplied).
       slow: whether it crosses the slow axis (a group or pair spanning
         nodes, or any DCN transfer).

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from skipreduce_jax import _ring
+from skipreduce_jax._ring import ring as _ring
 
 GROUP = "_scheduling_group_id"
 LAYERS, WIDTH, PER_DEVICE, NUM_SKIP = 8, 2048, 64, 4

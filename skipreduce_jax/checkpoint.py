@@ -30,8 +30,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._per_rank import per_rank_names
-from skipreduce_jax._transform import SkipConfig, SkipReduceState
+from skipreduce_jax._optax.per_rank import per_rank_names
+from skipreduce_jax._optax.transform import SkipConfig, SkipReduceState
 from skipreduce_jax._types import PyTree
 
 __all__ = ["latest_step", "restore", "save"]

@@ -49,9 +49,9 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from skipreduce_jax._checks import check_int
-from skipreduce_jax._supervisor import EXIT_TIMEOUT as EXIT_TIMEOUT
-from skipreduce_jax._supervisor import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
-from skipreduce_jax._supervisor import Job, Process
+from skipreduce_jax._runtime.supervisor import EXIT_TIMEOUT as EXIT_TIMEOUT
+from skipreduce_jax._runtime.supervisor import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
+from skipreduce_jax._runtime.supervisor import Job, Process
 from skipreduce_jax.distributed import (
     ENV_COORDINATOR,
     ENV_GLOO_INTERFACE,

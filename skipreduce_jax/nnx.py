@@ -43,11 +43,11 @@ from flax.nnx.filterlib import Filter
 from flax.nnx.training.optimizer import to_opt_state
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._config import SkipConfig, SkipOptions
-from skipreduce_jax._grad import build
-from skipreduce_jax._parallel import AxisNames, as_tuple, build_step, positions, rank_key
-from skipreduce_jax._shards import spec_axes
-from skipreduce_jax._training import init_opt_state, per_rank_value_and_grad, to_varying
+from skipreduce_jax._ring.config import SkipConfig, SkipOptions
+from skipreduce_jax._ring.shards import spec_axes
+from skipreduce_jax._steps.grad import build
+from skipreduce_jax._steps.parallel import AxisNames, as_tuple, build_step, positions, rank_key
+from skipreduce_jax._steps.training import init_opt_state, per_rank_value_and_grad, to_varying
 from skipreduce_jax._types import PyTree
 
 __all__ = ["data_parallel", "init_optimizer", "local_value_and_grad", "value_and_grad"]

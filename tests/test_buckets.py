@@ -1,10 +1,10 @@
-"""Bucket planning, packing and unpacking (``_buckets.py``)."""
+"""Bucket planning, packing and unpacking (``_ring/buckets.py``)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from skipreduce_jax._buckets import OWN_BUCKET_FRACTION, plan_buckets
+from skipreduce_jax._ring.buckets import OWN_BUCKET_FRACTION, plan_buckets
 
 
 def _tree(sizes, dtype=np.float32):

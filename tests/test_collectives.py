@@ -123,8 +123,8 @@ def test_the_reorder_in_place_and_as_a_gather_agree(monkeypatch, length, block_b
     # skip_reduce keeps the gather (fusable into the update). Same values for
     # every key, also where no column moves (k = 0) or every one does, with
     # columns cut in 1 (5), 4 (12: blocks of 3) and 16 (96: blocks of 6).
-    from skipreduce_jax import _ring
-    from skipreduce_jax._ring import put_in_slot_order
+    from skipreduce_jax._ring import ring as _ring
+    from skipreduce_jax._ring.ring import put_in_slot_order
 
     monkeypatch.setattr(_ring, "ROLL_BLOCK_BYTES", block_bytes)
     n, columns = 4, 8
@@ -316,7 +316,7 @@ def test_result_is_typed_replicated_under_check_vma():
 
 
 def test_long_rings_use_a_loop(monkeypatch):
-    monkeypatch.setattr(sr._ring, "MAX_UNROLLED_STEPS", 2)
+    monkeypatch.setattr(sr._ring.ring, "MAX_UNROLLED_STEPS", 2)
     x = bit_inputs(8, 777)
     for gather in ("native", "ring"):
         out = per_rank(lambda v: sr.skip_psum(v, "i", key=jax.random.key(0),

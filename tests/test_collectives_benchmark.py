@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import skipreduce_jax as sr  # noqa: E402
 from benchmarks import collectives as cb  # noqa: E402
-from skipreduce_jax._buckets import plan_buckets  # noqa: E402
-from skipreduce_jax._ring import put_in_slot_order  # noqa: E402
+from skipreduce_jax._ring.buckets import plan_buckets  # noqa: E402
+from skipreduce_jax._ring.ring import put_in_slot_order  # noqa: E402
 
 N = 8
 SIZE = 8 * 1024  # elements per rank: 4 sub-chunks of 256 per slot

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax._traffic import reduce_scatter_bytes, skipreduce_bytes
+from skipreduce_jax._ring.traffic import reduce_scatter_bytes, skipreduce_bytes
 
 BF16 = jnp.bfloat16
 EPS = {BF16: 2.0**-8, jnp.float16: 2.0**-11}  # unit roundoff

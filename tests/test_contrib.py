@@ -113,7 +113,7 @@ def test_topk_rejects_summed_gradients():
         summed = lax.psum(local, "i")  # invariant: already reduced
         return tx.update(summed, tx.init(summed))[0]
 
-    # The message shared with skip_reduce (skipreduce_jax._per_rank.check_local).
+    # The message shared with skip_reduce (skipreduce_jax._optax.per_rank.check_local).
     with pytest.raises(ValueError,
                        match=r"^topk_reduce: .* replicated \(invariant\) over \['i'\]"):
         per_rank(f, np.ones((N, 16), np.float32), n=N)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax import _gate
+from skipreduce_jax._optax import gate as _gate
 
 N = 8
 KW = dict(num_skip=4, min_size=0, seed=5)
@@ -183,6 +183,9 @@ def _train(tx, steps=30):
         x = rng.normal(size=(N * 8, 16)).astype(np.float32)
         y = x[:, :4] * 0.5 + rng.normal(size=(N * 8, 4)).astype(np.float32)
         params, state, _ = step(params, state, jax.device_put((x, y), place))
+        # One step in flight: XLA:CPU deadlocked here once on two busy cores
+        # (seven device threads in an all-reduce, the eighth waiting to start).
+        jax.block_until_ready(params)
     return params, state
 
 

@@ -23,7 +23,7 @@ from test_fsdp import _mlp as fsdp_mlp
 from test_fsdp import _mlp_loss
 
 import skipreduce_jax as sr
-from skipreduce_jax import _traffic
+from skipreduce_jax._ring import traffic as _traffic
 
 N = 8
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax._traffic import all_gather_bytes, reduce_scatter_bytes
+from skipreduce_jax._ring.traffic import all_gather_bytes, reduce_scatter_bytes
 
 N, L = 4, 2
 AXES = ("o", "i")

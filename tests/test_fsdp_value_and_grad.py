@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax import _hlo, _traffic
+from skipreduce_jax._ring import traffic as _traffic
+from skipreduce_jax._runtime import hlo as _hlo
 
 N, B, D, H, C = 8, 64, 16, 32, 8
 RNG = np.random.default_rng(3)

@@ -465,14 +465,14 @@ def _forgets_the_psum(eqn, vals, layouts, report):
     """A planted bug: a sum over the rows without its psum (each rank's own sum)."""
     d = layouts[0]
     if d is None or d not in eqn.params["axes"]:
-        return sr._partition._RULES_BEFORE_PLANT["reduce_sum"](eqn, vals, layouts, report)
+        return sr._steps.partition._RULES_BEFORE_PLANT["reduce_sum"](eqn, vals, layouts, report)
     out = eqn.primitive.bind(*vals, **eqn.params)
     return [out], [None]
 
 
 @pytest.fixture
 def planted(monkeypatch):
-    from skipreduce_jax import _partition
+    from skipreduce_jax._steps import partition as _partition
 
     monkeypatch.setattr(sr, "_partition", _partition, raising=False)
     monkeypatch.setattr(_partition, "_RULES_BEFORE_PLANT", dict(_partition._RULES), raising=False)

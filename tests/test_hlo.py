@@ -31,7 +31,7 @@ def _traffic(fn, n, size, dtype=jnp.float32):
 @pytest.mark.parametrize("unrolled", [True, False])
 def test_skip_psum_traffic_matches_formula(n, gather, unrolled, monkeypatch):
     if not unrolled:
-        monkeypatch.setattr(sr._ring, "MAX_UNROLLED_STEPS", 1)
+        monkeypatch.setattr(sr._ring.ring, "MAX_UNROLLED_STEPS", 1)
     size = 1000  # not a multiple of n * chunks: padding is counted
     for k in range(n):
         traffic = _traffic(

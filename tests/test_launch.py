@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_dead, launcher_results
 
-from skipreduce_jax import _supervisor, distributed, launch
+from skipreduce_jax import distributed, launch
+from skipreduce_jax._runtime import supervisor as _supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax._buckets import plan_buckets
+from skipreduce_jax._ring.buckets import plan_buckets
 
 N = 8
 # A Dense-like tree: kernels [in, out], a bias, a conv kernel [h, w, in, out].

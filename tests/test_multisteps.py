@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import skipreduce_jax as sr
-from skipreduce_jax import _hlo
+from skipreduce_jax._runtime import hlo as _hlo
 
 N, K, D = 8, 3, 64
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from helpers import assert_all_dead
 
-from skipreduce_jax import _supervisor
-from skipreduce_jax._supervisor import EXIT_TIMEOUT, Job, Process
+from skipreduce_jax._runtime import supervisor as _supervisor
+from skipreduce_jax._runtime.supervisor import EXIT_TIMEOUT, Job, Process
 
 _ENV = {"PATH": os.environ.get("PATH", "")}
 _IGNORE_TERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from skipreduce_jax import _traffic as traffic
+from skipreduce_jax._ring import traffic
 from skipreduce_jax._types import PyTree
 
 

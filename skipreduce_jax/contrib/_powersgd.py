@@ -20,8 +20,8 @@ import optax
 from jax import lax
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _traffic as traffic
-from skipreduce_jax._per_rank import check_local, per_rank_zeros
+from skipreduce_jax._optax.per_rank import check_local, per_rank_zeros
+from skipreduce_jax._ring import traffic
 from skipreduce_jax._types import PyTree
 from skipreduce_jax.contrib._common import leaf_bytes, method_settings
 

@@ -26,12 +26,12 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
-from skipreduce_jax._traffic import hierarchical_bytes as hierarchical_bytes
-from skipreduce_jax._traffic import ring_allreduce_bytes as ring_allreduce_bytes
-from skipreduce_jax._traffic import skip_ratio_to_num_skip as skip_ratio_to_num_skip
-from skipreduce_jax._traffic import skipreduce_bytes as skipreduce_bytes
-from skipreduce_jax._traffic import skipreduce_steps as skipreduce_steps
-from skipreduce_jax._traffic import traffic_fraction as traffic_fraction
+from skipreduce_jax._ring.traffic import hierarchical_bytes as hierarchical_bytes
+from skipreduce_jax._ring.traffic import ring_allreduce_bytes as ring_allreduce_bytes
+from skipreduce_jax._ring.traffic import skip_ratio_to_num_skip as skip_ratio_to_num_skip
+from skipreduce_jax._ring.traffic import skipreduce_bytes as skipreduce_bytes
+from skipreduce_jax._ring.traffic import skipreduce_steps as skipreduce_steps
+from skipreduce_jax._ring.traffic import traffic_fraction as traffic_fraction
 
 from ._fit import KINDS as KINDS
 from ._fit import Measurement as Measurement

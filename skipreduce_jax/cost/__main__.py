@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from skipreduce_jax._traffic import (
+from skipreduce_jax._ring.traffic import (
     hierarchical_bytes,
     ring_allreduce_bytes,
     skip_ratio_to_num_skip,
@@ -32,7 +32,7 @@ from skipreduce_jax._traffic import (
     skipreduce_steps,
     traffic_fraction,
 )
-from skipreduce_jax._wire import check_comm_dtype, make_wire
+from skipreduce_jax._ring.wire import check_comm_dtype, make_wire
 
 from ._fit import KINDS, Measurement, Validation, fit_link_model, load_measurements, validate
 from ._model import (

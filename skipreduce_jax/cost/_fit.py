@@ -26,7 +26,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from skipreduce_jax._checks import check_choice, check_int, check_num_skip, check_real
-from skipreduce_jax._traffic import skipreduce_bytes, skipreduce_steps
+from skipreduce_jax._ring.traffic import skipreduce_bytes, skipreduce_steps
 
 from ._model import LinkModel, _check_link, read_json, write_json
 

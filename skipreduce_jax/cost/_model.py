@@ -1,7 +1,7 @@
 """The alpha-beta link model and the times it predicts.
 
 For a buffer of ``B`` bytes per rank over ``n`` ranks, the steps and bytes of
-each call are those of ``skipreduce_jax._traffic`` (SkipReduce with ``k``
+each call are those of ``skipreduce_jax._ring.traffic`` (SkipReduce with ``k``
 skipped steps: ``2 (n - 1) - k`` steps of ``B / n`` bytes); the time of one
 collective call is::
 
@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from skipreduce_jax._checks import check_int, check_real
-from skipreduce_jax._traffic import (
+from skipreduce_jax._ring.traffic import (
     all_gather_bytes,
     hierarchical_bytes,
     reduce_scatter_bytes,

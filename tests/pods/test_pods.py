@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import skipreduce_jax as sr  # noqa: E402
 from benchmarks import pods  # noqa: E402
-from skipreduce_jax import _traffic  # noqa: E402
+from skipreduce_jax._ring import traffic as _traffic  # noqa: E402
 
 
 def _importable(name):

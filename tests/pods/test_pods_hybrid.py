@@ -20,7 +20,7 @@ import test_pods  # noqa: E402
 
 import skipreduce_jax as sr  # noqa: E402
 from benchmarks import pods  # noqa: E402
-from skipreduce_jax import _traffic  # noqa: E402
+from skipreduce_jax._ring import traffic as _traffic  # noqa: E402
 
 pytestmark = test_pods.pytestmark
 AXES = (pods.SLOW, pods.FAST)

@@ -9,7 +9,7 @@ from typing import Any
 import optax
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._transform import skip_reduce
+from skipreduce_jax._optax.transform import skip_reduce
 from skipreduce_jax._types import PyTree
 
 _API = "skip_adamw"

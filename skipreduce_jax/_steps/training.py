@@ -34,9 +34,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._guards import leaf_agreement
-from skipreduce_jax._multisteps import check_owner, place_accumulators
-from skipreduce_jax._parallel import (
+from skipreduce_jax._optax.guards import leaf_agreement
+from skipreduce_jax._optax.multisteps import check_owner, place_accumulators
+from skipreduce_jax._optax.per_rank import per_rank_leaves, per_rank_names
+from skipreduce_jax._optax.transform import SkipReduceState
+from skipreduce_jax._steps.parallel import (
     as_tuple,
     build_step,
     check_batch,
@@ -47,9 +49,7 @@ from skipreduce_jax._parallel import (
     place_batch,
     replicated_sharding,
 )
-from skipreduce_jax._per_rank import per_rank_leaves, per_rank_names
-from skipreduce_jax._replay import replay, trace
-from skipreduce_jax._transform import SkipReduceState
+from skipreduce_jax._steps.replay import replay, trace
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 

@@ -20,11 +20,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _shards
-from skipreduce_jax._count import counting_over, global_count
-from skipreduce_jax._guards import callback_error, host_checks_traced
-from skipreduce_jax._per_rank import per_rank_names
-from skipreduce_jax._replay import MEAN_COUNT, RANK_KEY, mark, tracing_for_replay
+from skipreduce_jax._optax.guards import callback_error, host_checks_traced
+from skipreduce_jax._optax.per_rank import per_rank_names
+from skipreduce_jax._ring import shards as _shards
+from skipreduce_jax._steps.count import counting_over, global_count
+from skipreduce_jax._steps.replay import MEAN_COUNT, RANK_KEY, mark, tracing_for_replay
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import varying_axes
 

@@ -42,7 +42,7 @@ def reduce_scatter_bytes(nbytes: float, n: int, num_skip: int = 0) -> float:
     ``nbytes`` is the buffer per rank, in the dtype that is sent.
 
     Example:
-      >>> from skipreduce_jax._traffic import reduce_scatter_bytes
+      >>> from skipreduce_jax._ring.traffic import reduce_scatter_bytes
       >>> reduce_scatter_bytes(800, 8, 3)
       400.0
     """
@@ -54,7 +54,7 @@ def all_gather_bytes(nbytes: float, n: int) -> float:
     """``(n - 1) * nbytes / n``: a ring all-gather of an ``nbytes`` result.
 
     Example:
-      >>> from skipreduce_jax._traffic import all_gather_bytes
+      >>> from skipreduce_jax._ring.traffic import all_gather_bytes
       >>> all_gather_bytes(800, 8)
       700.0
     """

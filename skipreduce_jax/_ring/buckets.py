@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from skipreduce_jax._checks import check_choice
-from skipreduce_jax._schedule import default_chunks_per_rank
+from skipreduce_jax._ring.schedule import default_chunks_per_rank
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # How leaves are laid out in a bucket.

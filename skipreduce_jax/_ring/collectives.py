@@ -23,8 +23,9 @@ import numpy as np
 from jax import lax
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _ring, _shards
-from skipreduce_jax._buckets import (
+from skipreduce_jax._ring import ring as _ring
+from skipreduce_jax._ring import shards as _shards
+from skipreduce_jax._ring.buckets import (
     DEFAULT_BUCKET_BYTES,
     BlockPlan,
     BucketPlan,
@@ -32,7 +33,7 @@ from skipreduce_jax._buckets import (
     plan_blocks,
     plan_buckets,
 )
-from skipreduce_jax._config import (
+from skipreduce_jax._ring.config import (
     RING_OPTIONS,
     CollectiveOptions,
     RingSettings,
@@ -41,15 +42,15 @@ from skipreduce_jax._config import (
     ring_settings,
     skip_config,
 )
-from skipreduce_jax._schedule import (
+from skipreduce_jax._ring.schedule import (
     ScatterSchedule,
     SkipSchedule,
     make_scatter_schedule,
     make_schedule,
 )
+from skipreduce_jax._ring.wire import check_comm_width, nan_unless_finite
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import all_gather_replicated, cast_varying, varying_axes, vma_checked
-from skipreduce_jax._wire import check_comm_width, nan_unless_finite
 
 Normalize = Literal["contributors", "world"]
 NORMALIZE_CHOICES = {"contributors": "divide by the N - k ranks summed",
@@ -158,7 +159,7 @@ def _reduce(
     where they are summed), shaped like ``tree``, i.e. ``tree *
     ~contribution_mask``. It is computed on the packed buffers (see
     :func:`_left_out`). Leaves sharded over the compiler's mesh axes are
-    reduced shard by shard (see ``_shards.py``). ``in_place``: how Random's
+    reduced shard by shard (see ``_ring/shards.py``). ``in_place``: how Random's
     slots are put back after the native gather (:func:`_ring.put_in_slot_order`).
     """
     again = functools.partial(_reduce, ring=ring, scale=scale, gather=gather,

@@ -1,7 +1,7 @@
 """``comm_stats``: what one step of ``skip_reduce`` sends, from the formulas.
 
 It plans the same buckets ``skip_reduce`` would (padding included) and
-counts them with the one set of traffic formulas in ``_traffic.py``; the
+counts them with the one set of traffic formulas in ``_ring/traffic.py``; the
 tests check it against the bytes read from compiled programs.
 """
 
@@ -14,13 +14,13 @@ import jax
 import numpy as np
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _traffic as traffic
-from skipreduce_jax._buckets import plan_buckets
-from skipreduce_jax._config import SkipConfig, skip_config
-from skipreduce_jax._selection import needs_params
-from skipreduce_jax._transform import _Config
+from skipreduce_jax._optax.transform import _Config
+from skipreduce_jax._ring import traffic
+from skipreduce_jax._ring.buckets import plan_buckets
+from skipreduce_jax._ring.config import SkipConfig, skip_config
+from skipreduce_jax._ring.selection import needs_params
+from skipreduce_jax._ring.wire import check_comm_width, summed_dtype
 from skipreduce_jax._types import PyTree
-from skipreduce_jax._wire import check_comm_width, summed_dtype
 
 
 class CommStats(NamedTuple):

@@ -63,7 +63,7 @@ class Job:
 
     Example:
         >>> import sys
-        >>> from skipreduce_jax._supervisor import Job, Process
+        >>> from skipreduce_jax._runtime.supervisor import Job, Process
         >>> say = [sys.executable, "-c", "print('hi')"]
         >>> Job([Process(say, {}, "[a] ")], timeout=60, name="demo").run()
         [a] hi

@@ -2,7 +2,7 @@
 
 Every variant (full ring, static and random SkipReduce, hierarchical) runs
 this code; they differ only in the :class:`SkipSchedule` they pass. See
-``_schedule.py`` for the invariant. The code follows the ring of JAX's
+``_ring/schedule.py`` for the invariant. The code follows the ring of JAX's
 shard_map notebook: an explicit accumulator that moves one rank to the right
 per step, and index arithmetic for which chunk is where.
 """
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from skipreduce_jax._schedule import ScatterSchedule, SkipSchedule, make_schedule
+from skipreduce_jax._ring.schedule import ScatterSchedule, SkipSchedule, make_schedule
+from skipreduce_jax._ring.wire import Wire, send_narrow
 from skipreduce_jax._vma import all_gather_replicated
-from skipreduce_jax._wire import Wire, send_narrow
 
 Gather = Literal["native", "ring"]
 

@@ -42,7 +42,7 @@ from jax.extend.core import Literal
 from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding
 
-from skipreduce_jax._replay import constrain
+from skipreduce_jax._steps.replay import constrain
 from skipreduce_jax._vma import varying_axes
 
 Layout = int | None  # the split dimension, or None: whole

@@ -17,11 +17,11 @@ from typing import Any, TypedDict, Unpack
 import numpy as np
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
-from skipreduce_jax._selection import check_selective
-from skipreduce_jax._traffic import skip_ratio_to_num_skip
+from skipreduce_jax._ring.buckets import DEFAULT_BUCKET_BYTES, LAYOUTS
+from skipreduce_jax._ring.selection import check_selective
+from skipreduce_jax._ring.traffic import skip_ratio_to_num_skip
+from skipreduce_jax._ring.wire import Wire, check_comm_dtype, make_wire
 from skipreduce_jax._types import DTypeLike, PyTree
-from skipreduce_jax._wire import Wire, check_comm_dtype, make_wire
 
 _API = "skip_reduce"
 
@@ -143,7 +143,7 @@ class SkipConfig:
 
     @property
     def wire(self) -> Wire:
-        """How ``comm_dtype`` crosses each hop (see ``_wire.py``)."""
+        """How ``comm_dtype`` crosses each hop (see ``_ring/wire.py``)."""
         return make_wire(self.comm_dtype)
 
 
@@ -239,6 +239,7 @@ def collective(*takes: str, reads: Sequence[str] = RING_OPTIONS):
                                    annotation=Unpack[CollectiveOptions])]
         call.__signature__ = inspect.Signature(
             shown, return_annotation=inspect.signature(body).return_annotation)
+        del call.__wrapped__  # the body's parameters are not the collective's
         return call
     return wrap
 
@@ -341,7 +342,7 @@ class RingSettings:
 
     @property
     def wire(self) -> Wire:
-        """How ``comm_dtype`` crosses each hop (see ``_wire.py``)."""
+        """How ``comm_dtype`` crosses each hop (see ``_ring/wire.py``)."""
         return make_wire(self.comm_dtype)
 
     @property

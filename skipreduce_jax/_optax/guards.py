@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax._checks import axis_size
-from skipreduce_jax._shards import spec_axes
+from skipreduce_jax._ring.shards import spec_axes
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, vma_checked
 

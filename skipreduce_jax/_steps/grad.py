@@ -3,7 +3,7 @@
 Called inside the user's own ``jax.jit`` step, it traces the loss once on
 the global arguments, as ``jax.jit`` sees them, and runs that program in a
 ``jax.shard_map`` manual over the data axes only, partitioned by
-:mod:`skipreduce_jax._partition`: every value keeps its global meaning
+:mod:`skipreduce_jax._steps.partition`: every value keeps its global meaning
 (sums, means, maxima, batch statistics, dropout masks, ``aux``), each rank
 computing its rows. The params enter cast to varying, so each rank's
 gradient is its own contribution to the global one, and
@@ -33,15 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _shards
-from skipreduce_jax._config import SkipOptions, skip_config
-from skipreduce_jax._gate import FeedbackGateState
-from skipreduce_jax._micro import accumulate
-from skipreduce_jax._parallel import AxisNames, check_batch, mesh_axes, positions
-from skipreduce_jax._partition import Lazy, PartitionReport, evaluate, settled, take, varying
-from skipreduce_jax._replay import tracing_markers
-from skipreduce_jax._training import init_opt_state, state_specs
-from skipreduce_jax._transform import (
+from skipreduce_jax._optax.gate import FeedbackGateState
+from skipreduce_jax._optax.transform import (
     NothingSkippedWarning,
     SkipConfig,
     SkipReduceState,
@@ -49,7 +42,14 @@ from skipreduce_jax._transform import (
     gated_update,
     skip_reduce,
 )
-from skipreduce_jax._transform import _update as skip_update
+from skipreduce_jax._optax.transform import _update as skip_update
+from skipreduce_jax._ring import shards as _shards
+from skipreduce_jax._ring.config import SkipOptions, skip_config
+from skipreduce_jax._steps.micro import accumulate
+from skipreduce_jax._steps.parallel import AxisNames, check_batch, mesh_axes, positions
+from skipreduce_jax._steps.partition import Lazy, PartitionReport, evaluate, settled, take, varying
+from skipreduce_jax._steps.replay import tracing_markers
+from skipreduce_jax._steps.training import init_opt_state, state_specs
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import varying_axes
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from skipreduce_jax._replay import MEAN_COUNT, mark, tracing_for_replay
+from skipreduce_jax._steps.replay import MEAN_COUNT, mark, tracing_for_replay
 from skipreduce_jax._vma import varying_axes, vma_checked
 
 _AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(

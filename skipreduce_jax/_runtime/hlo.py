@@ -3,7 +3,7 @@
 ``collective_traffic(compiled_text)`` lists every collective op of the
 program, how often it runs (while-loop trip counts multiply), and the bytes
 each device sends for it under the usual ring algorithms (``_op``, with
-the formulas of ``_traffic.py``). Replica groups are read in every format
+the formulas of ``_ring/traffic.py``). Replica groups are read in every format
 XLA prints: explicit lists, iota lists, and the mesh axes that plain
 ``jax.jit`` programs over sharded inputs (GSPMD) print.
 
@@ -24,7 +24,11 @@ import math
 import re
 from collections import defaultdict
 
-from skipreduce_jax._traffic import all_gather_bytes, reduce_scatter_bytes, ring_allreduce_bytes
+from skipreduce_jax._ring.traffic import (
+    all_gather_bytes,
+    reduce_scatter_bytes,
+    ring_allreduce_bytes,
+)
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}

@@ -31,29 +31,30 @@ import optax
 from jax import lax
 
 from skipreduce_jax import _checks as checks
-from skipreduce_jax import _collectives as coll
-from skipreduce_jax import _gate, _shards
-from skipreduce_jax._buckets import DEFAULT_BUCKET_BYTES
-from skipreduce_jax._config import (
+from skipreduce_jax._optax import gate as _gate
+from skipreduce_jax._optax.guards import host_check, leaf_agreement, raise_in_callback
+from skipreduce_jax._optax.norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
+from skipreduce_jax._optax.per_rank import check_local, per_rank_zeros
+from skipreduce_jax._optax.radial import exact_radial, radial_ok
+from skipreduce_jax._ring import collectives as coll
+from skipreduce_jax._ring import shards as _shards
+from skipreduce_jax._ring.buckets import DEFAULT_BUCKET_BYTES
+from skipreduce_jax._ring.config import (
     SKIP_OPTIONS,
     SkipConfig,
     config_or_keywords,
     resolve_num_skip,
     ring_settings,
 )
-from skipreduce_jax._guards import host_check, leaf_agreement, raise_in_callback
-from skipreduce_jax._norms import BatchNormWarning, in_batchnorm, warn_if_batchnorm
-from skipreduce_jax._per_rank import check_local, per_rank_zeros
-from skipreduce_jax._radial import exact_radial, radial_ok
-from skipreduce_jax._schedule import (
+from skipreduce_jax._ring.schedule import (
     balanced_draw,
     ring_period,
     scatter_period,
 )
-from skipreduce_jax._selection import skippable
+from skipreduce_jax._ring.selection import skippable
+from skipreduce_jax._ring.wire import summed_dtype
 from skipreduce_jax._types import DTypeLike, PyTree
 from skipreduce_jax._vma import pmean_nonempty
-from skipreduce_jax._wire import summed_dtype
 
 _API = "skip_reduce"
 

@@ -29,7 +29,7 @@ import optax
 from jax import lax
 
 from skipreduce_jax._checks import check_int
-from skipreduce_jax._per_rank import per_rank_fields, per_rank_zeros
+from skipreduce_jax._optax.per_rank import per_rank_fields, per_rank_zeros
 from skipreduce_jax._types import PyTree
 from skipreduce_jax._vma import cast_varying, varying_axes, vma_checked
 
