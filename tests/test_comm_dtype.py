@@ -138,7 +138,8 @@ def test_odd_pieces_are_padded_and_come_back_exact():
     assert np.all(popcount(out) == n - 1)
 
 
-def test_derivatives_are_those_of_the_kept_sum():
+@pytest.mark.parametrize("comm", [BF16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_derivatives_are_those_of_the_kept_sum(comm):
     n, k = 4, 2
     rng = np.random.default_rng(7)
     x, w = (rng.normal(size=(n, 3000)).astype(np.float32) for _ in range(2))
@@ -149,17 +150,19 @@ def test_derivatives_are_those_of_the_kept_sum():
         mask = sr.contribution_mask(v, "i", **kw)
 
         def skip(v):
-            return sr.skip_psum(v, "i", comm_dtype=BF16, **kw)
+            return sr.skip_psum(v, "i", comm_dtype=comm, **kw)
 
         grad = jax.grad(lambda v: jnp.sum(w * skip(v)))(v)
         tangent = jax.jvp(skip, (v,), (w,))[1]
         return grad, tangent, mask, lax.psum(w, "i")
 
     grad, tangent, mask, w_sum = per_rank(f, (x, w), n=n)
-    # d/dv_r sum_j w_j * psum(v * mask)_j = mask_r * psum(w).
-    np.testing.assert_allclose(grad, np.where(mask, w_sum, 0), rtol=2e-2, atol=2e-2)
+    # d/dv_r sum_j w_j * psum(v * mask)_j = mask_r * psum(w). A 16-bit
+    # tangent crosses in 16 bits; float8's crosses unrounded, in float32.
+    tol = 1e-5 if jnp.dtype(comm).itemsize == 1 else 2e-2
+    np.testing.assert_allclose(grad, np.where(mask, w_sum, 0), rtol=tol, atol=tol)
     kept = np.where(mask, w, 0).sum(0)
-    np.testing.assert_allclose(tangent[0], kept, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(tangent[0], kept, rtol=tol, atol=tol)
 
 
 def _reduce_step(n, grads, **kw):
@@ -395,28 +398,7 @@ def test_float8_wire_scales_blocks_so_small_gradients_survive(comm, gather):
     assert err.max() < bound
 
 
-@pytest.mark.parametrize("comm", F8)
-def test_float8_wire_derivatives_are_those_of_the_kept_sum(comm):
-    n, k = 4, 2
-    rng = np.random.default_rng(7)
-    x, w = (rng.normal(size=(n, 3000)).astype(np.float32) for _ in range(2))
-
-    def f(args):
-        v, w = args
-        kw = dict(key=jax.random.key(11), num_skip=k)
-
-        def skip(v):
-            return sr.skip_psum(v, "i", comm_dtype=comm, **kw)
-
-        return (jax.grad(lambda v: jnp.sum(w * skip(v)))(v),
-                sr.contribution_mask(v, "i", **kw), lax.psum(w, "i"))
-
-    grad, mask, w_sum = per_rank(f, (x, w), n=n)
-    # The tangent crosses unrounded: the derivative of the exact kept sum.
-    np.testing.assert_allclose(grad, np.where(mask, w_sum, 0), rtol=1e-5, atol=1e-5)
-
-
-def test_float8_wire_reduce_scatter_and_hierarchical():
+def test_float8_wire_in_the_reduce_scatter():
     n, k = 8, 2
     rng = np.random.default_rng(3)
     x = rng.normal(size=(n, 64 * n)).astype(np.float32)

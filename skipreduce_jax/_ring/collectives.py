@@ -15,6 +15,7 @@ native all-gather over the inner axis.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Literal, Unpack
 
 import jax
@@ -398,8 +399,8 @@ def ring_psum(x: PyTree, axis_name: str, **options: Unpack[CollectiveOptions]) -
 
 
 # ring_psum's keywords and their defaults.
-_PSUM_OPTIONS = dict(bucket_bytes=DEFAULT_BUCKET_BYTES, gather="native", specs=None,
-                     comm_dtype=None)
+_PSUM_OPTIONS = types.MappingProxyType(dict(
+    bucket_bytes=DEFAULT_BUCKET_BYTES, gather="native", specs=None, comm_dtype=None))
 
 
 @collective("phase", "rescale", "inner_axis", "gather", "specs")
