@@ -3,7 +3,7 @@
 A :class:`Wire` encodes a piece for a hop and decodes it on arrival; each
 hop adds in ``added`` (float32, or wider), so only the crossing is narrow.
 It owns its byte count (read by ``comm_stats`` and the cost model) and its
-overflow rule. ``wire(comm_dtype)`` is the one place a ``comm_dtype``
+overflow rule. :func:`make_wire` is the one place a ``comm_dtype``
 becomes a wire:
 
 - ``None``: the sum's own dtype crosses (the gather sends the leaves');
