@@ -17,7 +17,7 @@ BF16 = jnp.bfloat16
 EPS = {BF16: 2.0**-8, jnp.float16: 2.0**-11}  # unit roundoff
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("gather", ["native", "ring"])
 @pytest.mark.parametrize("randomize", [True, False])
 def test_each_element_sums_n_minus_k_ranks(n, gather, randomize):
