@@ -267,9 +267,11 @@ def init_optimizer(
 
     The state comes from :func:`skipreduce_jax.init_opt_state` (per-rank
     rows on their devices, settings checked), not ``tx.init``. Its
-    ``update`` knows the model's ``nnx.BatchNorm`` layers (with an
-    ``axis_name``) by type, which turns ``skip_reduce``'s ``exact_radial``
-    on by default.
+    ``update`` passes the paths of the model's ``nnx.BatchNorm`` layers
+    (with an ``axis_name``, found by type) to ``skip_reduce`` as
+    ``batchnorm_paths=``, which turns its ``exact_radial`` on by default
+    (a ``tx`` whose ``update`` takes no extra arguments gets none, and
+    BatchNorm layers are then known by their linen names only).
 
     Args:
       model: the NNX Module.
@@ -287,7 +289,7 @@ def init_optimizer(
     """
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
     params = nnx.state(model, wrt)
-    # skip_reduce's BatchNorm warning, from the layers' types, not their names.
+    # The BatchNorm layers by type, not by name, for skip_reduce's update.
     norms = [path for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.BatchNorm) and node.axis_name is not None]
     state = init_opt_state(tx, params, mesh, axis_name)
